@@ -26,11 +26,12 @@ from weightsync.models.spec import Family, ModelSpec
 MILES = "radixark/miles@31f1ca9 scripts/models/"
 """Prefix of the Megatron argument files the numbers are checked against."""
 P2P_DOC = "radixark/miles@31f1ca9 docs/advanced/p2p-weight-transfer.md"
+QWEN3_CONFIGS = "citsjtu2020/LLM-Prof sglang/Model_Config.md"
 
 
 def _qwen3_4b() -> ModelSpec:
     src = MILES + "qwen3-4B.py"
-    cfg = "Qwen/Qwen3-4B config.json"
+    cfg = "Qwen/Qwen3-4B config.json (as quoted in " + QWEN3_CONFIGS + ")"
     return ModelSpec(
         name="Qwen3-4B",
         family=Family.QWEN3,
@@ -67,7 +68,7 @@ def _qwen3_4b() -> ModelSpec:
 
 
 def _qwen3_moe(name: str, *, file: str, checkpoint: str, hidden: int, layers: int, heads: int, ffn: int,
-               moe_ffn: int, rope_theta: float, max_pos: int) -> ModelSpec:
+               moe_ffn: int, rope_theta: float, max_pos: int, cfg: str) -> ModelSpec:
     src = MILES + file
     return ModelSpec(
         name=name,
@@ -108,8 +109,8 @@ def _qwen3_moe(name: str, *, file: str, checkpoint: str, hidden: int, layers: in
             "moe_intermediate_size": f"{src} --moe-ffn-hidden-size {moe_ffn}",
             "router_score_function": src + " --moe-router-score-function softmax",
             "first_k_dense_replace": src + " FIRST_K_DENSE_REPLACE = 0",
-            "norm_topk_prob": checkpoint + " config.json norm_topk_prob true",
-            "max_position_embeddings": f"{checkpoint} config.json ({max_pos})",
+            "norm_topk_prob": cfg + " norm_topk_prob true",
+            "max_position_embeddings": f"{cfg} ({max_pos})",
             "checkpoint": checkpoint + " (miles run.py PREPARE_CONFIGS)",
         },
     )
@@ -157,7 +158,10 @@ def _glm45_air() -> ModelSpec:
             "head_dim": src + " --kv-channels 128",
             "intermediate_size": src + " --ffn-hidden-size 10944",
             "rms_norm_eps": cfg + " rms_norm_eps 1e-05",
-            "rope_theta": src + " --rotary-base 1000000",
+            "rope_theta": (
+                src + " --rotary-base 1000000 (also THUDM/slime glm4.5-106B-A12B.sh and miles run.py "
+                "rotary_base); one third-party conversion script writes 10000: not confirmed from config.json"
+            ),
             "partial_rotary_factor": src + " --rotary-percent 0.5",
             "qk_norm": cfg + " use_qk_norm false (no --qk-layernorm in " + src + ")",
             "attention_bias": src + " --add-qkv-bias",
@@ -222,7 +226,11 @@ def _kimi_k2() -> ModelSpec:
             "rms_norm_eps": src + " --norm-epsilon 1e-6",
             "rope_theta": src + " --rotary-base 50000 (yarn, --rotary-scaling-factor 32.0)",
             "tie_word_embeddings": src + " --untie-embeddings-and-output-weights",
-            "max_position_embeddings": cfg + " (131072 = 4096 x yarn factor 32)",
+            "max_position_embeddings": (
+                "131072 = 4096 x yarn factor 32 (" + src + " --original-max-position-embeddings 4096 "
+                "--rotary-scaling-factor 32.0); sglang serves Kimi-K2-Instruct with max_model_len 131072 "
+                "(pbelevich/awsome-ai-research kimi-k2/README.md)"
+            ),
             "num_experts": src + " --num-experts 384",
             "num_experts_per_tok": src + " --moe-router-topk 8",
             "moe_intermediate_size": src + " --moe-ffn-hidden-size 2048",
@@ -314,7 +322,7 @@ def _glm47_flash() -> ModelSpec:
 def _glm5(name: str = "GLM-5", num_layers: int = 78, checkpoint: str = "zai-org/GLM-5",
           file: str = "glm5-744B-A40B.py") -> ModelSpec:
     src = MILES + "glm5-744B-A40B.py"
-    cfg = "zai-org/GLM-5 config.json (GlmMoeDsaForCausalLM, glm_moe_dsa; quoted in public vLLM/GLM-5 issue threads)"
+    cfg = "zai-org/GLM-5 config.json (as quoted in vllm-project/vllm#36220)"
     n_moe = num_layers - 3
     sources = {
         "vocab_size": src + " --vocab-size 154880",
@@ -324,7 +332,7 @@ def _glm5(name: str = "GLM-5", num_layers: int = 78, checkpoint: str = "zai-org/
         "num_kv_heads": cfg + " num_key_value_heads 64 (MLA)",
         "intermediate_size": src + " FFN_HIDDEN = 12288",
         "rms_norm_eps": cfg + " rms_norm_eps 1e-05",
-        "rope_theta": src + " --rotary-base 1000000 (miles run.py patch_glm5_config default)",
+        "rope_theta": src + " --rotary-base 1000000; " + cfg + " rope_parameters.rope_theta 1000000",
         "tie_word_embeddings": src + " --untie-embeddings-and-output-weights",
         "max_position_embeddings": cfg + " (202752)",
         "num_experts": src + " MOE_ROUTED_EXPERTS = 256",
@@ -393,10 +401,14 @@ MODELS: dict[str, Callable[[], ModelSpec]] = {
     "Qwen3-30B-A3B": lambda: _qwen3_moe(
         "Qwen3-30B-A3B", file="qwen3-30B-A3B.py", checkpoint="Qwen/Qwen3-30B-A3B", hidden=2048, layers=48,
         heads=32, ffn=6144, moe_ffn=768, rope_theta=1_000_000.0, max_pos=40960,
+        cfg="Qwen/Qwen3-30B-A3B config.json (as quoted in " + QWEN3_CONFIGS + ")",
     ),
     "Qwen3-235B-A22B": lambda: _qwen3_moe(
         "Qwen3-235B-A22B", file="qwen3-235B-A22B.py", checkpoint="Qwen/Qwen3-235B-A22B-Instruct-2507",
         hidden=4096, layers=94, heads=64, ffn=12288, moe_ffn=1536, rope_theta=5_000_000.0, max_pos=262144,
+        # Not found quoted for this exact checkpoint: 262144 and norm_topk_prob are the values of
+        # the Qwen3 2507 series (rope 5e6 is confirmed by run.py).
+        cfg="Qwen3 2507-series config.json (unconfirmed for this checkpoint)",
     ),
     "GLM-4.5-Air": _glm45_air,
     "Kimi-K2": _kimi_k2,
