@@ -85,7 +85,8 @@ _BYTES = ("B", "KB", "MB", "GB", "TB")
 
 
 def _table_line(row: dict[str, Any]) -> str:
-    head = f"{row['model']:<16} {row['family']:<12} {_human(row['params'], _COUNT):>7} {_human(row['bytes'], _BYTES):>8}"
+    params, nbytes = _human(row["params"], _COUNT), _human(row["bytes"], _BYTES)
+    head = f"{row['model']:<16} {row['family']:<12} {params:>7} {nbytes:>8}"
     p = row["profile"]
     if p is None:
         return head + "  (no reference profile)"

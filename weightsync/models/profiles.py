@@ -79,8 +79,8 @@ def _profile(model: str, *, nodes: int, train_gpus: int, rollout_gpus: int, tp: 
 
 def _glm5_profile(model: str, *, nodes: int, gpus: int, pp: int, cp: int, ep: int, last: int | None,
                   engine_gpus: int, mem: float) -> RunProfile:
-    return _profile(model, nodes=nodes, train_gpus=gpus, rollout_gpus=gpus, tp=4, pp=pp, cp=cp, ep=ep, last=last, engine_gpus=engine_gpus, mem=mem,
-                    sgl_ep=engine_gpus, sgl_dp=engine_gpus, moe_dense_tp=1, dp_attention=True, dp_lm_head=True,
+    return _profile(model, nodes=nodes, train_gpus=gpus, rollout_gpus=gpus, tp=4, pp=pp, cp=cp, ep=ep, last=last,
+                    engine_gpus=engine_gpus, mem=mem, sgl_ep=engine_gpus, sgl_dp=engine_gpus, moe_dense_tp=1, dp_attention=True, dp_lm_head=True,
                     extra=_nsa_args(engine_gpus))
 
 
