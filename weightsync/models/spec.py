@@ -7,7 +7,7 @@ MLA ranks, ...), normalised across families, so that the layout code can derive 
 Typical usage::
 
     from weightsync.models import get_model
-    spec = get_model("Qwen3-4B").scaled("tiny")
+    spec = get_model("Qwen3-4B", "tiny")
 """
 
 from __future__ import annotations
