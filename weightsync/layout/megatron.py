@@ -188,10 +188,11 @@ def _layer_dense(spec: ModelSpec, layer: int, local: int, tp: int, tp_rank: int)
     shapes = _layer_shapes(spec, layer)
     g, l_ = f"model.layers.{layer}.", f"decoder.layers.{local}."
     dt = spec.dtype
-    head = [_tensor(l_ + "input_layernorm.weight", mp.whole(g + "input_layernorm.weight", shapes[g + "input_layernorm.weight"]), dt)]
+    pre, post = g + "input_layernorm.weight", g + "post_attention_layernorm.weight"
+    head = [_tensor(l_ + "input_layernorm.weight", mp.whole(pre, shapes[pre]), dt)]
     attn = _mla_attention if spec.is_mla else _gqa_attention
-    head += [_tensor(l_ + "self_attention." + n, part, dt) for n, part in attn(spec, shapes, g + "self_attn.", tp, tp_rank)]
-    post = g + "post_attention_layernorm.weight"
+    for n, part in attn(spec, shapes, g + "self_attn.", tp, tp_rank):
+        head.append(_tensor(l_ + "self_attention." + n, part, dt))
     head.append(_tensor(l_ + "pre_mlp_layernorm.weight", mp.whole(post, shapes[post]), dt))
     m, lm = g + "mlp.", l_ + "mlp."
     tail: list[LocalTensor] = []
@@ -255,7 +256,8 @@ def _mla_attention(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], a: str, 
     out.append(("linear_proj.weight", mp.split_cols(a + "o_proj.weight", shapes[a + "o_proj.weight"], r, tp)))
     rows = [("linear_q_proj.weight", "q_proj.weight")] if spec.q_lora_rank is None else [
         ("linear_q_down_proj.weight", "q_a_proj.weight"), ("linear_q_up_proj.weight", "q_b_proj.weight")]
-    rows += [("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"), ("linear_kv_up_proj.weight", "kv_b_proj.weight")]
+    rows += [("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+             ("linear_kv_up_proj.weight", "kv_b_proj.weight")]
     out += [(local, mp.split_rows(a + glob, shapes[a + glob], r, tp)) for local, glob in rows]
     if spec.q_lora_rank is not None:
         out.append(("q_layernorm.weight", mp.whole(a + "q_a_layernorm.weight", shapes[a + "q_a_layernorm.weight"])))

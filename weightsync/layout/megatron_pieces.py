@@ -18,7 +18,7 @@ Shape = tuple[int, ...]
 
 
 def _rows_box(start: int, stop: int, trailing: Shape) -> Box:
-    return ((start, stop),) + tuple((0, d) for d in trailing)
+    return ((start, stop), *tuple((0, d) for d in trailing))
 
 
 def whole(gname: str, gshape: Shape) -> tuple[Shape, tuple[Piece, ...]]:
@@ -31,7 +31,7 @@ def split_rows(gname: str, gshape: Shape, part: int, num_parts: int) -> tuple[Sh
     """Column-parallel weight (or its bias): rank ``part`` holds rows ``[part*n, (part+1)*n)``."""
     n = gshape[0] // num_parts
     assert n * num_parts == gshape[0], (gname, gshape, num_parts)
-    lshape = (n,) + gshape[1:]
+    lshape = (n, *gshape[1:])
     return lshape, (Piece(gname, _rows_box(part * n, (part + 1) * n, gshape[1:]), full_box(lshape)),)
 
 
@@ -102,4 +102,4 @@ def qkv_rows(q: str, k: str, v: str, *, num_heads: int, num_groups: int, head_di
             pieces.append(Piece(name, _rows_box(g0 + a - fused, g0 + b - fused, trailing),
                                 _rows_box(a - lo, b - lo, trailing)))
         fused += rows
-    return (n,) + trailing, tuple(pieces)
+    return (n, *trailing), tuple(pieces)
