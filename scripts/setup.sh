@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Set up this checkout on a fresh machine: system libraries Mooncake needs, a virtual environment
+# in .venv at the repo root, CPU torch, then weightsync (editable) with its test tools.
+# Idempotent: every step checks first and does nothing when already done.
+#
+#   bash scripts/setup.sh
+#
+# Environment (all optional):
+#   PYTHON           interpreter for the venv (default: python3.11, else python3 if >= 3.11)
+#   TORCH_INDEX_URL  pip index for torch (e.g. a CPU wheel index on machines without a local wheel)
+#   WEIGHTSYNC_EXTRAS  extras to install (default: test; e.g. "test,dev" for ruff too)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+TORCH_VERSION="2.13.0"
+EXTRAS="${WEIGHTSYNC_EXTRAS:-test}"
+APT_PACKAGES=(libibverbs1 librdmacm1 ibverbs-providers libnuma1 libcurl4)
+VENV="$ROOT/.venv"
+VPY="$VENV/bin/python"
+LOG="$(mktemp -t weightsync-setup.XXXXXX.log)"
+START=$SECONDS
+
+log() { printf '[setup %3ds] %s\n' "$((SECONDS - START))" "$*"; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# Run a command with its output in $LOG; on failure show the end of it and stop.
+quiet() {
+    if ! "$@" >>"$LOG" 2>&1; then
+        printf '[setup] ERROR: command failed: %s\n--- last lines of %s ---\n' "$*" "$LOG" >&2
+        tail -n 40 "$LOG" >&2
+        exit 1
+    fi
+}
+
+# --- 1. system libraries (Mooncake's engine.so links libibverbs; tcp works without RDMA hardware) ---
+install_system_packages() {
+    if ! command -v dpkg-query >/dev/null 2>&1; then
+        if ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+            log "system libraries: not a Debian system; libibverbs found"
+        else
+            log "WARNING: not a Debian system and libibverbs.so.1 not found: install rdma-core (libibverbs, librdmacm) for Mooncake"
+        fi
+        return
+    fi
+    local missing=() pkg
+    for pkg in "${APT_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
+    done
+    if ((${#missing[@]} == 0)); then
+        log "system libraries: present (${APT_PACKAGES[*]})"
+        return
+    fi
+    local sudo=()
+    if [[ "$(id -u)" -ne 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || die "need root (or sudo) to install: ${missing[*]}"
+        sudo=(sudo -n)
+    fi
+    log "system libraries: installing ${missing[*]} (apt-get)"
+    quiet "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    quiet "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+# --- 2. virtual environment ---
+pick_python() {
+    if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
+    if command -v python3.11 >/dev/null 2>&1; then echo python3.11; return; fi
+    echo python3
+}
+
+make_venv() {
+    if [[ -x "$VPY" ]]; then
+        "$VPY" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null \
+            || die "$VENV exists but its python does not run or is older than 3.11: remove it and re-run"
+        log "venv: $VENV exists ($("$VPY" -c 'import platform; print(platform.python_version())'))"
+        return
+    fi
+    local py
+    py="$(pick_python)"
+    command -v "$py" >/dev/null 2>&1 || die "no $py on PATH (set PYTHON=/path/to/python3.11)"
+    "$py" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null || die "$py is older than Python 3.11"
+    log "venv: creating $VENV with $py ($("$py" -c 'import platform; print(platform.python_version())'))"
+    quiet "$py" -m venv "$VENV"
+}
+
+dist_version() {  # version of an installed distribution in the venv, or empty
+    "$VPY" -c 'import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass' "$1"
+}
+
+# --- 3. torch, on its own and first, so that nothing else can pull another build ---
+install_torch() {
+    local have
+    have="$(dist_version torch)"
+    if [[ "${have%%+*}" == "$TORCH_VERSION" ]]; then
+        log "torch: $have present"
+        return
+    fi
+    log "torch: installing torch==$TORCH_VERSION${have:+ (replacing $have)}"
+    local extra=()
+    [[ -n "${TORCH_INDEX_URL:-}" ]] && extra=(--index-url "$TORCH_INDEX_URL")
+    quiet "$VPY" -m pip install --disable-pip-version-check --no-input -q "${extra[@]}" "torch==$TORCH_VERSION"
+}
+
+# --- 4. weightsync (editable) and its dependencies ---
+install_project() {
+    local stamp="$VENV/.weightsync-setup" want
+    want="$(sha256sum pyproject.toml | cut -d' ' -f1) extras=$EXTRAS root=$ROOT torch=$TORCH_VERSION"
+    if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$VPY" -c 'import sys, weightsync
+sys.exit(not weightsync.__file__.startswith(sys.argv[1]))' "$ROOT/" 2>/dev/null; then
+        log "weightsync: installed, pyproject.toml unchanged since (remove $stamp to force)"
+        return
+    fi
+    rm -f "$stamp"
+    log "weightsync: pip install -e '.[$EXTRAS]' (megatron-core, mooncake, fastapi, ...)"
+    quiet "$VPY" -m pip install --disable-pip-version-check --no-input -q -e ".[$EXTRAS]"
+    local have
+    have="$(dist_version torch)"
+    [[ "${have%%+*}" == "$TORCH_VERSION" ]] || die "torch changed to $have during the install (expected $TORCH_VERSION)"
+    echo "$want" >"$stamp"
+}
+
+check_imports() {
+    quiet "$VPY" -c 'import weightsync, torch, mooncake.engine, fastapi, safetensors, xxhash'
+    log "ready: $("$VPY" -c 'import importlib.metadata as m, platform
+print(f"Python {platform.python_version()}, " + ", ".join(f"{d} {m.version(d)}" for d in
+      ("torch", "megatron-core", "mooncake-transfer-engine-non-cuda")))')"
+}
+
+log "weightsync set-up in $ROOT (log: $LOG)"
+install_system_packages
+make_venv
+install_torch
+install_project
+check_imports
+rm -f "$LOG"
+log "done in $((SECONDS - START)) s; use $VENV/bin/python (or: source .venv/bin/activate)"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Run the test suite in .venv (made by scripts/setup.sh). Extra arguments go to pytest, e.g.
+#   bash scripts/test.sh -m "not slow"      bash scripts/test.sh tests/test_setup_imports.py -x
+# pytest's exit code 5 ("no tests collected") is turned into a failure: a run that tests nothing
+# must not pass.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+[[ -x .venv/bin/python ]] || { echo "[test] no .venv: run 'bash scripts/setup.sh' first" >&2; exit 1; }
+
+.venv/bin/python -m pytest -q "${@:-tests}"
+rc=$?
+if [[ $rc -eq 5 ]]; then
+    echo "[test] ERROR: pytest collected no tests (exit 5); treating as failure" >&2
+    exit 1
+fi
+exit $rc

@@ -1,0 +1,39 @@
+"""The set-up and CI scripts: syntax, the README/CI command agreement, and exit-5 handling."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+CI_COMMAND = "bash scripts/setup.sh && bash scripts/test.sh"
+
+
+@pytest.mark.parametrize("script", ["scripts/setup.sh", "scripts/test.sh", ".ci/run"])
+def test_shell_scripts_parse(repo_root, script):
+    proc = subprocess.run(["bash", "-n", str(repo_root / script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_ci_runs_the_command_the_readme_shows(repo_root):
+    ci = (repo_root / ".ci" / "run").read_text()
+    readme = (repo_root / "README.md").read_text()
+    commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-1] == CI_COMMAND
+    assert CI_COMMAND in readme
+
+
+def test_readme_documents_the_environment_variables(repo_root):
+    readme = (repo_root / "README.md").read_text()
+    for name in ("CKPT_SAVE_DIR", "SKIP_VALIDATION", "BUCKET_SIZE_GB", "MILES_LOG_DIR"):
+        assert f"`{name}`" in readme, name
+
+
+def test_test_script_fails_when_no_tests_are_collected(repo_root, tmp_path):
+    (tmp_path / "test_nothing_here.py").write_text("x = 1\n")
+    proc = subprocess.run(
+        ["bash", str(repo_root / "scripts" / "test.sh"), str(tmp_path), "-p", "no:cacheprovider"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "collected no tests" in proc.stderr
