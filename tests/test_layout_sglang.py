@@ -95,11 +95,8 @@ def _layouts_or_refusal(model: str, par: RolloutParallel, request: pytest.Fixtur
     return spec, _all_ranks(spec, par)
 
 
-@pytest.mark.parametrize("par", CONFIGS)
-@pytest.mark.parametrize("model", MODELS)
-def test_every_global_tensor_covered_uniformly(model: str, par: RolloutParallel, request: pytest.FixtureRequest):
-    """Contract 1: each global element is held by every replica group exactly once."""
-    spec, layouts = _layouts_or_refusal(model, par, request)
+def check_global_coverage(spec: ModelSpec, layouts: list[list[LocalTensor]], tp: int) -> None:
+    """Contract 1 on one engine's layouts."""
     globals_ = global_tensors(spec)
     counts = {name: np.zeros(g.shape, dtype=np.int32) for name, g in globals_.items()}
     for tensors in layouts:
@@ -113,19 +110,15 @@ def test_every_global_tensor_covered_uniformly(model: str, par: RolloutParallel,
     for name, c in counts.items():
         assert c.min() >= 1, f"{name}: {int((c == 0).sum())} elements held by no rank"
         assert c.min() == c.max(), f"{name}: covered unevenly ({c.min()}..{c.max()} times)"
-        assert par.tp % int(c.min()) == 0, f"{name}: replication {c.min()} does not divide tp {par.tp}"
+        assert tp % int(c.min()) == 0, f"{name}: replication {c.min()} does not divide tp {tp}"
 
 
 def _is_vocab(t: LocalTensor) -> bool:
     return t.name in ("model.embed_tokens.weight", "lm_head.weight")
 
 
-@pytest.mark.parametrize("par", CONFIGS)
-@pytest.mark.parametrize("model", MODELS)
-def test_local_tensors_covered_exactly_once_except_padding(model: str, par: RolloutParallel,
-                                                           request: pytest.FixtureRequest):
-    """Contract 2: no overlapping pieces; only vocab padding rows (at the end) are uncovered."""
-    spec, layouts = _layouts_or_refusal(model, par, request)
+def check_local_cover(layouts: list[list[LocalTensor]]) -> None:
+    """Contract 2 on one engine's layouts."""
     for rank, tensors in enumerate(layouts):
         names = [t.name for t in tensors]
         assert len(names) == len(set(names)), f"rank {rank}: duplicate parameter names"
@@ -141,9 +134,27 @@ def test_local_tensors_covered_exactly_once_except_padding(model: str, par: Roll
             assert c.max(initial=0) <= 1, f"rank {rank} {t.name}: overlapping pieces"
             if _is_vocab(t):
                 real = int(c[:, 0].sum())
-                assert (c[:real] == 1).all() and (c[real:] == 0).all(), f"{t.name}: padding not at the end"
+                assert (c[:real] == 1).all(), f"{t.name}: holes before the padding rows"
+                assert (c[real:] == 0).all(), f"{t.name}: padding not at the end"
             else:
                 assert (c == 1).all(), f"rank {rank} {t.name}: {int((c == 0).sum())} elements uncovered"
+
+
+@pytest.mark.parametrize("par", CONFIGS)
+@pytest.mark.parametrize("model", MODELS)
+def test_every_global_tensor_covered_uniformly(model: str, par: RolloutParallel, request: pytest.FixtureRequest):
+    """Contract 1: each global element is held by every replica group exactly once."""
+    spec, layouts = _layouts_or_refusal(model, par, request)
+    check_global_coverage(spec, layouts, par.tp)
+
+
+@pytest.mark.parametrize("par", CONFIGS)
+@pytest.mark.parametrize("model", MODELS)
+def test_local_tensors_covered_exactly_once_except_padding(model: str, par: RolloutParallel,
+                                                           request: pytest.FixtureRequest):
+    """Contract 2: no overlapping pieces; only vocab padding rows (at the end) are uncovered."""
+    _, layouts = _layouts_or_refusal(model, par, request)
+    check_local_cover(layouts)
 
 
 @pytest.mark.parametrize("par", CONFIGS)

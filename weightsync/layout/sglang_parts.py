@@ -32,6 +32,7 @@ Legend: ``H`` hidden, ``I`` intermediate, ``E`` experts, ``*_l`` local (per-rank
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from weightsync.layout.box import Box, LocalTensor, Piece, full_box
@@ -103,24 +104,44 @@ class LayerBuilder:
 
     def _scale_seg(self, name: str, lshape: tuple[int, ...], seg: Seg) -> Seg:
         """The scale blocks of a weight segment; refuses a segment that cuts a quantization block."""
-        assert self.spec.fp8_block is not None
+        block = self.spec.fp8_block
+        assert block is not None
         extra = len(seg.lbox) - len(seg.gbox)
-        gbox: list[tuple[int, int]] = []
-        lbox: list[tuple[int, int]] = []
-        for dim, block in enumerate(self.spec.fp8_block):
-            (g0, g1), (l0, l1) = seg.gbox[dim], seg.lbox[extra + dim]
-            at_end = g1 == seg.gshape[dim] and l1 == lshape[extra + dim]
-            if g0 % block or l0 % block or ((g1 % block or l1 % block) and not at_end):
-                raise ValueError(
-                    f"{self.spec.name}: fp8 block {self.spec.fp8_block} is cut by {name}: it holds "
-                    f"{seg.gname}[{g0}:{g1}] (dim {dim}) at local [{l0}:{l1}]; sglang needs every shard of a "
-                    f"block-quantized weight to hold whole blocks (choose a tp/ep whose splits are multiples "
-                    f"of {block})"
-                )
-            gbox.append((g0 // block, _cdiv(g1, block)))
-            lbox.append((l0 // block, _cdiv(l1, block)))
-        gshape = tuple(_cdiv(d, b) for d, b in zip(seg.gshape, self.spec.fp8_block, strict=True))
-        return Seg(seg.gname + "_scale_inv", gshape, tuple(gbox), (*seg.lbox[:extra], *lbox))
+        try:
+            gbox, lbox = _scale_boxes(seg.gbox, seg.gshape, seg.lbox[extra:], lshape[extra:], block)
+        except _BlockCut as cut:
+            dim, (g0, g1), (l0, l1) = cut.args
+            raise ValueError(
+                f"{self.spec.name}: fp8 block {block} is cut by {name}: it holds {seg.gname}[{g0}:{g1}] (dim {dim}) "
+                f"at local [{l0}:{l1}]; sglang needs every shard of a block-quantized weight to hold whole blocks "
+                f"(choose a tp/ep whose splits are multiples of {block[dim]})"
+            ) from None
+        gshape = tuple(_cdiv(d, b) for d, b in zip(seg.gshape, block, strict=True))
+        return Seg(seg.gname + "_scale_inv", gshape, gbox, (*seg.lbox[:extra], *lbox))
+
+
+class _BlockCut(Exception):
+    """A weight segment that does not hold whole fp8 blocks: ``(dim, global range, local range)``."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _scale_boxes(gbox: Box, gshape: tuple[int, ...], lbox: Box, lshape: tuple[int, ...],
+                 block: tuple[int, int]) -> tuple[Box, Box]:
+    """Block-index boxes of a 2-D weight segment (cached: every expert repeats the same numbers).
+
+    A segment's ends must fall on block edges, except where it ends both its global and its local
+    tensor (the last, partial block of both).
+    """
+    gout: list[tuple[int, int]] = []
+    lout: list[tuple[int, int]] = []
+    for dim, b in enumerate(block):
+        (g0, g1), (l0, l1) = gbox[dim], lbox[dim]
+        at_end = g1 == gshape[dim] and l1 == lshape[dim]
+        if g0 % b or l0 % b or ((g1 % b or l1 % b) and not at_end):
+            raise _BlockCut(dim, (g0, g1), (l0, l1))
+        gout.append((g0 // b, _cdiv(g1, b)))
+        lout.append((l0 // b, _cdiv(l1, b)))
+    return tuple(gout), tuple(lout)
 
 
 def _local(name: str, shape: tuple[int, ...], dtype: str, segs: list[Seg]) -> LocalTensor:
