@@ -1,0 +1,161 @@
+"""The broadcast plan: the classic path, as the baseline p2p is measured against.
+
+One source rank per pipeline stage (the lowest rank of the stage) gathers the TP/EP shards of
+its stage into full HF tensors, converts them to the rollout's storage format (fp8 block
+quantization: weight and ``scale_inv``), packs them into buckets of at most ``bucket_bytes`` and
+broadcasts every bucket to every rollout rank; each rollout rank keeps the slices it owns.
+
+The plan expresses that with the same records as p2p: the *gathered* tensors are the source
+layout (:func:`gathered_layouts`: stage source ``s`` holds ``LocalTensor(name=G)`` = all of
+``G``), and the ops are the copies each receiver makes out of the received buckets. So the
+verifier and the simulation treat both modes alike; the byte accounting differs (every receiver
+receives the whole model, see :mod:`weightsync.plan.records`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from weightsync.layout.box import LocalTensor, Piece, box_volume, full_box
+from weightsync.models.hf import DTYPE_BYTES
+from weightsync.plan.inputs import PlanInputs
+from weightsync.plan.ops import CopyOp
+from weightsync.plan.p2p import engine_regions
+from weightsync.plan.records import Bucket, Plan
+from weightsync.plan.regions import SourceIndex
+
+DEFAULT_BUCKET_BYTES = 1 << 30
+"""The reference system's default ``BUCKET_SIZE_GB`` = 1."""
+
+
+def megatron_stage(inputs: PlanInputs) -> Callable[[int], int]:
+    """Pipeline stage of a trainer rank in Megatron's default rank order (pp outermost)."""
+    per_stage = inputs.train.world_size // inputs.train.pp
+    return lambda rank: rank // per_stage
+
+
+def wire_dtypes(inputs: PlanInputs) -> dict[str, str]:
+    """Global tensor -> the dtype the rollout stores it in (what the broadcast carries)."""
+    out: dict[str, str] = {}
+    for tensors in inputs.engine_layouts:
+        for t in tensors:
+            if t.derived:
+                continue
+            for p in t.pieces:
+                prev = out.setdefault(p.global_name, t.dtype)
+                if prev != t.dtype:
+                    raise ValueError(f"rollout ranks store {p.global_name} as both {prev} and {t.dtype}")
+    return out
+
+
+def stage_sources(inputs: PlanInputs, stage_of: Callable[[int], int] | None = None) -> dict[str, int]:
+    """Global tensor -> the trainer rank that gathers and broadcasts it.
+
+    A tensor belongs to the lowest stage that holds a piece of it (tied embeddings live on the
+    first and the last stage), and a stage's source is its lowest rank. Scale tensors go with
+    their weight.
+    """
+    stage_of = stage_of or megatron_stage(inputs)
+    first_rank: dict[int, int] = {}
+    owner_stage: dict[str, int] = {}
+    for rank, tensors in enumerate(inputs.source_layouts):
+        st = stage_of(rank)
+        first_rank.setdefault(st, rank)
+        for t in tensors:
+            for p in t.pieces:
+                if owner_stage.get(p.global_name, st + 1) > st:
+                    owner_stage[p.global_name] = st
+    out: dict[str, int] = {}
+    for name, g in inputs.globals.items():
+        key = g.quant_of if g.quant_of is not None and name not in owner_stage else name
+        if key in owner_stage:
+            out[name] = first_rank[owner_stage[key]]
+    return out
+
+
+def gathered_layouts(inputs: PlanInputs, stage_of: Callable[[int], int] | None = None
+                     ) -> tuple[tuple[LocalTensor, ...], ...]:
+    """Per trainer rank, the full tensors it broadcasts (empty for non-sources), in wire dtype."""
+    wire = wire_dtypes(inputs)
+    src = stage_sources(inputs, stage_of)
+    per_rank: list[list[LocalTensor]] = [[] for _ in range(inputs.train.world_size)]
+    for name, g in inputs.globals.items():
+        if name not in wire or name not in src:
+            continue
+        box = full_box(g.shape)
+        per_rank[src[name]].append(LocalTensor(name=name, shape=g.shape, dtype=wire[name],
+                                               pieces=(Piece(name, box, box),)))
+    return tuple(tuple(ts) for ts in per_rank)
+
+
+def _buckets(layouts: tuple[tuple[LocalTensor, ...], ...], bucket_bytes: int) -> tuple[Bucket, ...]:
+    out: list[Bucket] = []
+    for rank, tensors in enumerate(layouts):
+        names: list[str] = []
+        size = 0
+        for t in tensors:
+            nb = box_volume(full_box(t.shape)) * DTYPE_BYTES[t.dtype]
+            if names and size + nb > bucket_bytes:
+                out.append(Bucket(src_rank=rank, names=tuple(names), nbytes=size))
+                names, size = [], 0
+            names.append(t.name)
+            size += nb
+        if names:
+            out.append(Bucket(src_rank=rank, names=tuple(names), nbytes=size))
+    return tuple(out)
+
+
+def _gather_bytes(inputs: PlanInputs, gathered: tuple[tuple[LocalTensor, ...], ...]) -> int:
+    """Bytes the stage sources pull from other ranks: what of each gathered tensor they lack."""
+    sources = {t.name: rank for rank, ts in enumerate(gathered) for t in ts}
+    own: dict[str, int] = {}
+    itemsize: dict[str, int] = {}
+    for rank, tensors in enumerate(inputs.source_layouts):
+        for t in tensors:
+            for p in t.pieces:
+                if sources.get(p.global_name) == rank:
+                    own[p.global_name] = own.get(p.global_name, 0) + box_volume(p.global_box)
+                itemsize.setdefault(p.global_name, DTYPE_BYTES[t.dtype])
+    total = 0
+    for name in sources:
+        g = inputs.globals[name]
+        if name in itemsize:
+            total += (g.numel - min(own.get(name, 0), g.numel)) * itemsize[name]
+    return total
+
+
+def plan_broadcast(inputs: PlanInputs, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dst_rank: int | None = None,
+                   stage_of: Callable[[int], int] | None = None) -> Plan:
+    """The broadcast plan (or, with ``dst_rank``, one receiver's share of it).
+
+    Args:
+        inputs: planner inputs.
+        bucket_bytes: bucket size limit (a tensor larger than it gets a bucket of its own).
+        dst_rank: only this rollout rank's ops.
+        stage_of: trainer rank -> PP stage (default: Megatron's order, pp outermost).
+
+    Returns:
+        The plan; ``buckets`` lists what each stage source broadcasts.
+    """
+    gathered = gathered_layouts(inputs, stage_of)
+    sources = SourceIndex(enumerate(gathered))
+    buckets = _buckets(gathered, bucket_bytes)
+    tp = inputs.rollout.tp
+    dst = range(inputs.num_dest) if dst_rank is None else [dst_rank]
+    local = sorted({d % tp for d in dst})
+    per_rank = {r: engine_regions(inputs, sources, r) for r in local}
+    ops: list[CopyOp] = []
+    for d in dst:
+        for _, regions in per_rank[d % tp]:
+            for reg in regions:
+                h = reg.holders[0]
+                sbox, zc = reg.source_box(0)
+                ops.append(CopyOp(reg.global_name, reg.global_box, h.rank, h.tensor.name, sbox, d, reg.dst_param,
+                                  reg.dst_box, reg.transform, zc))
+    total = sum(b.nbytes for b in buckets)
+    sender = [0] * inputs.train.world_size
+    for b in buckets:
+        sender[b.src_rank] += b.nbytes
+    receiver = [total if dst_rank is None or d == dst_rank else 0 for d in range(inputs.num_dest)]
+    return Plan(mode="broadcast", ops=tuple(ops), sender_bytes=tuple(sender), receiver_bytes=tuple(receiver),
+                dst_rank=dst_rank, buckets=buckets, gather_bytes=_gather_bytes(inputs, gathered))

@@ -1,0 +1,63 @@
+"""The plan record: the ops of one transfer mode plus the byte accounting of both modes.
+
+Accounting (the same fields for ``p2p`` and ``broadcast``, so that the modes compare):
+
+* ``receiver_bytes[d]`` -- bytes that arrive at rollout rank ``d`` over links. p2p: what its
+  ops write. broadcast: every bucket of the whole model (each receiver gets every full tensor
+  and keeps its slices).
+* ``sender_bytes[s]`` -- bytes that trainer rank ``s`` puts on links. p2p: what its ops carry.
+  broadcast: the stage source injects each bucket once (a ring or tree relays it onward).
+* ``gather_bytes`` -- broadcast only: bytes the stage sources pull from the other trainer
+  ranks of their stage to assemble full tensors (trainer-side all-gather); 0 for p2p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.plan.ops import CopyOp
+
+MODES = ("p2p", "broadcast")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bucket:
+    """Broadcast: one bucket of full tensors sent by one stage source to every rollout rank."""
+
+    src_rank: int
+    names: tuple[str, ...]
+    """Global tensors in the bucket, in send order."""
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """The ops of one transfer (or one rank's share of them) and their byte accounting."""
+
+    mode: str
+    ops: tuple[CopyOp, ...]
+    """In execution order: by destination rank, then destination tensor order."""
+    sender_bytes: tuple[int, ...]
+    """Per trainer rank (the whole world, zeros for ranks outside a per-rank plan)."""
+    receiver_bytes: tuple[int, ...]
+    """Per rollout rank."""
+    src_rank: int | None = None
+    """Set on a per-rank plan: only this trainer rank's ops."""
+    dst_rank: int | None = None
+    """Set on a per-rank plan: only this rollout rank's ops."""
+    buckets: tuple[Bucket, ...] = ()
+    """Broadcast only."""
+    gather_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"plan mode must be one of {MODES}, got {self.mode!r}")
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes put on links to the rollout ranks (sum over receivers)."""
+        return sum(self.receiver_bytes)
+
+    @property
+    def is_partial(self) -> bool:
+        return self.src_rank is not None or self.dst_rank is not None

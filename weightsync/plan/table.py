@@ -1,0 +1,160 @@
+"""Columnar form of a list of ops: numpy arrays plus string tables.
+
+The verifier, the statistics and the on-disk form of a plan work on this table rather than on
+op objects, so that checks over a million ops are array operations. Boxes are stored
+right-aligned in ``D`` dims (``lo``/``hi`` arrays of shape ``[n, D]``), leading dims padded
+with ``[0, 1)``: a box keeps its row-major byte layout under that padding.
+
+Legend: ``g`` = global box, ``s`` = source (local) box, ``d`` = destination (local) box.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from weightsync.layout.box import Box
+from weightsync.plan.ops import TRANSFORMS, CopyOp
+
+MAX_DIMS = 4
+
+
+def pad_box(box: Box, ndim: int = MAX_DIMS) -> tuple[int, ...]:
+    """``(lo_0..lo_{D-1}, hi_0..hi_{D-1})`` of ``box`` right-aligned in ``ndim`` dims."""
+    k = ndim - len(box)
+    if k < 0:
+        raise ValueError(f"box {box} has more than {ndim} dims")
+    return (0,) * k + tuple(a for a, _ in box) + (1,) * k + tuple(b for _, b in box)
+
+
+def unpad_box(lo: np.ndarray, hi: np.ndarray, nd: int) -> Box:
+    d = len(lo)
+    return tuple((int(lo[i]), int(hi[i])) for i in range(d - nd, d))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class OpTable:
+    """Ops as arrays. ``gid`` indexes ``global_names``; ``*_pid`` index ``param_names``."""
+
+    global_names: tuple[str, ...]
+    param_names: tuple[str, ...]
+    gid: np.ndarray
+    src_rank: np.ndarray
+    src_pid: np.ndarray
+    dst_rank: np.ndarray
+    dst_pid: np.ndarray
+    transform: np.ndarray
+    """Index into :data:`weightsync.plan.ops.TRANSFORMS`."""
+    zero_copy: np.ndarray
+    g_lo: np.ndarray
+    g_hi: np.ndarray
+    g_nd: np.ndarray
+    s_lo: np.ndarray
+    s_hi: np.ndarray
+    s_nd: np.ndarray
+    d_lo: np.ndarray
+    d_hi: np.ndarray
+    d_nd: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.gid)
+
+    def op(self, i: int) -> CopyOp:
+        """Op ``i`` as a record."""
+        return CopyOp(
+            self.global_names[self.gid[i]],
+            unpad_box(self.g_lo[i], self.g_hi[i], int(self.g_nd[i])),
+            int(self.src_rank[i]),
+            self.param_names[self.src_pid[i]],
+            unpad_box(self.s_lo[i], self.s_hi[i], int(self.s_nd[i])),
+            int(self.dst_rank[i]),
+            self.param_names[self.dst_pid[i]],
+            unpad_box(self.d_lo[i], self.d_hi[i], int(self.d_nd[i])),
+            TRANSFORMS[int(self.transform[i])],
+            bool(self.zero_copy[i]),
+        )
+
+    def ops(self) -> list[CopyOp]:
+        return [self.op(i) for i in range(len(self))]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """All array columns by name (the serialized form, with the two string tables)."""
+        return {k: getattr(self, k) for k in _ARRAY_FIELDS}
+
+
+_ARRAY_FIELDS = ("gid", "src_rank", "src_pid", "dst_rank", "dst_pid", "transform", "zero_copy", "g_lo", "g_hi",
+                 "g_nd", "s_lo", "s_hi", "s_nd", "d_lo", "d_hi", "d_nd")
+
+
+def ops_to_table(ops: Sequence[CopyOp], global_names: Sequence[str] = ()) -> OpTable:
+    """Build the columnar table of ``ops``.
+
+    Args:
+        ops: the ops.
+        global_names: optional initial global name table (e.g. the model's order), so that ids are
+            stable across plans of the same model.
+
+    Returns:
+        The table.
+    """
+    gmap = {n: i for i, n in enumerate(global_names)}
+    pmap: dict[str, int] = {}
+    tmap = {t: i for i, t in enumerate(TRANSFORMS)}
+    boxes: dict[Box, tuple[int, ...]] = {}
+    ints: list[tuple[int, ...]] = []
+    bx: list[tuple[int, ...]] = []
+    for op in ops:
+        g = gmap.get(op.global_name)
+        if g is None:
+            g = gmap[op.global_name] = len(gmap)
+        sp = pmap.get(op.src_param)
+        if sp is None:
+            sp = pmap[op.src_param] = len(pmap)
+        dp = pmap.get(op.dst_param)
+        if dp is None:
+            dp = pmap[op.dst_param] = len(pmap)
+        gb = boxes.get(op.global_box)
+        if gb is None:
+            gb = boxes[op.global_box] = pad_box(op.global_box)
+        sb = boxes.get(op.src_box)
+        if sb is None:
+            sb = boxes[op.src_box] = pad_box(op.src_box)
+        db = boxes.get(op.dst_box)
+        if db is None:
+            db = boxes[op.dst_box] = pad_box(op.dst_box)
+        ints.append((g, op.src_rank, sp, op.dst_rank, dp, tmap[op.transform], op.zero_copy,
+                     len(op.global_box), len(op.src_box), len(op.dst_box)))
+        bx.append(gb + sb + db)
+    n = len(ints)
+    ia = np.array(ints, dtype=np.int64).reshape(n, 10)
+    ba = np.array(bx, dtype=np.int64).reshape(n, 6 * MAX_DIMS)
+    D = MAX_DIMS
+    return OpTable(
+        global_names=tuple(gmap),
+        param_names=tuple(pmap),
+        gid=ia[:, 0].astype(np.int32),
+        src_rank=ia[:, 1].astype(np.int32),
+        src_pid=ia[:, 2].astype(np.int32),
+        dst_rank=ia[:, 3].astype(np.int32),
+        dst_pid=ia[:, 4].astype(np.int32),
+        transform=ia[:, 5].astype(np.int8),
+        zero_copy=ia[:, 6].astype(bool),
+        g_nd=ia[:, 7].astype(np.int8),
+        s_nd=ia[:, 8].astype(np.int8),
+        d_nd=ia[:, 9].astype(np.int8),
+        g_lo=ba[:, 0:D], g_hi=ba[:, D:2 * D],
+        s_lo=ba[:, 2 * D:3 * D], s_hi=ba[:, 3 * D:4 * D],
+        d_lo=ba[:, 4 * D:5 * D], d_hi=ba[:, 5 * D:6 * D],
+    )
+
+
+def table_from_arrays(global_names: Sequence[str], param_names: Sequence[str], arrays: dict[str, np.ndarray]
+                      ) -> OpTable:
+    """Inverse of :meth:`OpTable.arrays` (checks that every column is there)."""
+    missing = [k for k in _ARRAY_FIELDS if k not in arrays]
+    if missing:
+        raise ValueError(f"op table is missing columns {missing}")
+    return OpTable(global_names=tuple(global_names), param_names=tuple(param_names),
+                   **{k: np.asarray(arrays[k]) for k in _ARRAY_FIELDS})
