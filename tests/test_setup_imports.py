@@ -29,8 +29,15 @@ def test_megatron_core_imports():
 def test_mooncake_transfer_engine_imports():
     engine = importlib.import_module("mooncake.engine")  # fails if libibverbs etc. are missing
     te = engine.TransferEngine()
-    for method in ("initialize", "register_memory", "unregister_memory", "transfer_sync_write",
-                   "batch_transfer_async_write", "get_batch_transfer_status", "get_rpc_port"):
+    for method in (
+        "initialize",
+        "register_memory",
+        "unregister_memory",
+        "transfer_sync_write",
+        "batch_transfer_async_write",
+        "get_batch_transfer_status",
+        "get_rpc_port",
+    ):
         assert callable(getattr(te, method)), method
 
 

@@ -41,9 +41,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_gpt_model_builds_on_cpu_with_gloo(free_port):
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(free_port)], capture_output=True, text=True, timeout=240
-    )
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     params = {line.split()[0]: line.split(None, 1)[1] for line in proc.stdout.splitlines() if line.strip()}
     # fused QKV: (q heads + 2 * kv groups) * head_dim = (4 + 2*2) * 16 rows

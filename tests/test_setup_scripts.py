@@ -33,7 +33,9 @@ def test_test_script_fails_when_no_tests_are_collected(repo_root, tmp_path):
     (tmp_path / "test_nothing_here.py").write_text("x = 1\n")
     proc = subprocess.run(
         ["bash", str(repo_root / "scripts" / "test.sh"), str(tmp_path), "-p", "no:cacheprovider"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "collected no tests" in proc.stderr
