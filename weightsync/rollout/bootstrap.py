@@ -1,0 +1,100 @@
+"""Bringing up one engine rank: process group, groups, parameter arena, engine, weights.
+
+Used by :mod:`weightsync.rollout.serve` for rank 0 (this process) and the spawned ranks. Loading
+ends with a startup agreement over the control group: if any rank failed to load, every rank
+raises (the failing one its own error), so no rank waits forever for a peer that died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from weightsync.layout.parallel import RolloutParallel
+from weightsync.layout.sglang import check_engine_parallel
+from weightsync.models import get_model
+from weightsync.models.spec import ModelSpec
+from weightsync.rollout.engine import Engine
+from weightsync.rollout.params import get_arena_factory
+from weightsync.rollout.tp import EngineGroups
+
+if TYPE_CHECKING:
+    from weightsync.rollout.serve import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
+    """The model and parallel sizes of ``cfg``, refused early when sglang would refuse them.
+
+    Raises:
+        ValueError: unknown model or scale, bad sizes, not enough CUDA devices.
+    """
+    spec = get_model(cfg.model, cfg.scale)
+    par = RolloutParallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
+    check_engine_parallel(spec, par)
+    if cfg.device == "cuda" and torch.cuda.device_count() < par.tp:
+        raise ValueError(f"tp={par.tp} needs {par.tp} CUDA devices, found {torch.cuda.device_count()}")
+    return spec, par
+
+
+def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: int, port: int) -> Engine:
+    """Join the engine's process group (tp > 1), allocate the rank's parameters and load them.
+
+    Collective over the engine's ranks when ``tp > 1``.
+
+    Raises:
+        The rank's own load error, or RuntimeError naming the ranks that failed to load.
+    """
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.tp))
+    if par.tp > 1:
+        dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=par.tp, timeout=COLLECTIVE_TIMEOUT)
+        groups = EngineGroups.build(par, rank)
+    else:
+        groups = EngineGroups.single(par)
+    arena = get_arena_factory(cfg.arena)(device, rank)
+    dtype = getattr(torch, cfg.compute_dtype) if cfg.compute_dtype else None
+    engine = Engine.build(spec, groups, device=device, compute_dtype=dtype, arena=arena)
+    error: BaseException | None = None
+    try:
+        stats = engine.load_checkpoint(cfg.checkpoint) if cfg.checkpoint else engine.load_dummy(cfg.seed)
+        logger.info("[rank%d] loaded %d tensors (%.1f MB) in %.2f s", rank, stats.num_tensors, stats.nbytes / 1e6,
+                    stats.seconds)
+    except Exception as exc:  # agreed on below, then re-raised as is
+        error = exc
+    _agree(groups, rank, error)
+    return engine
+
+
+def _agree(groups: EngineGroups, rank: int, error: BaseException | None) -> None:
+    """Every rank learns whether all loaded; a failed rank re-raises its own error."""
+    if groups.control is not None:
+        flags = [None] * groups.world
+        dist.all_gather_object(flags, error is None, group=groups.control)
+        failed = [r for r, ok in enumerate(flags) if not ok]
+    else:
+        failed = [rank] if error is not None else []
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"[rank{rank}] engine ranks {failed} failed to load their weights (see their logs)")
+
+
+def finish_rank(engine: Engine) -> None:
+    """Release the rank's parameters and groups, then the process group."""
+    engine.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,198 @@
+"""``weightsync serve``: start the built-in rollout engine, one process per rank, HTTP on rank 0.
+
+Rank 0 is this process: it spawns ranks ``1 .. tp-1`` (``multiprocessing`` spawn), joins the
+engine's process group with them (gloo on CPU, NCCL on CUDA; ``tcp://127.0.0.1`` rendezvous,
+one host), every rank allocates and loads its own parameters, and rank 0 serves HTTP and drives
+the others (:mod:`weightsync.rollout.control`). Ctrl-C (or SIGTERM) stops the server, releases
+the workers and tears the process group down.
+
+Typical usage::
+
+    weightsync serve Qwen3-30B-A3B --scale tiny --tp 2 --ep 2 --port 30000
+    curl -s localhost:30000/generate -H 'Content-Type: application/json' \\
+        -d '{"text": "hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5
+"""On stop, requests still waiting after this long (e.g. queued behind a pause) are cancelled."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServeConfig:
+    """Everything one engine needs; the CLI only fills it."""
+
+    model: str
+    """Registry name (``weightsync list``)."""
+    scale: str = "full"
+    """``full``, ``layers=N`` or ``tiny``."""
+    tp: int = 1
+    dp: int = 1
+    """DP-attention size (1 = off)."""
+    ep: int = 1
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (rank r uses ``cuda:r``)."""
+    host: str = "127.0.0.1"
+    port: int = 30000
+    checkpoint: str | None = None
+    """HF checkpoint directory; None with ``load_format="dummy"``."""
+    load_format: str = "auto"
+    """``auto`` (the checkpoint) or ``dummy`` (the seeded synthetic weights of the model)."""
+    seed: int = 0
+    """Seed of the dummy weights."""
+    arena: str = "torch"
+    """Parameter memory provider (:data:`weightsync.rollout.params.ARENAS`)."""
+    max_batch_size: int = 32
+    weight_version: str = "default"
+    dist_port: int | None = None
+    """Rendezvous port of the engine's process group (None: a free one)."""
+    compute_dtype: str | None = None
+    """Activation dtype (None: float32 on CPU, the model's dtype on CUDA)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.load_format == "dummy" and self.checkpoint is not None:
+            raise ValueError("give either --checkpoint or --load-format dummy, not both")
+        if self.load_format == "auto" and self.checkpoint is None:
+            raise ValueError("no --checkpoint: pass one, or --load-format dummy for synthetic weights")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="registry model name (see `weightsync list`)")
+    parser.add_argument("--scale", default="full", help="full | layers=N | tiny (default: full)")
+    parser.add_argument("--tp", type=int, default=1, help="ranks (processes) of the engine")
+    parser.add_argument("--dp", type=int, default=1, help="DP-attention size (1 = off)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=30000)
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="HF checkpoint directory (safetensors + config.json)")
+    src.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+                     help="dummy: seeded synthetic weights instead of a checkpoint")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
+    parser.add_argument("--arena", default="torch", help="parameter memory provider (default: torch)")
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--dist-port", type=int, default=None, help="process-group rendezvous port (default: free)")
+    parser.add_argument("--compute-dtype", default=None, help="activation dtype (default: float32 on cpu)")
+    parser.add_argument("--log-level", default="info")
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    load_format = args.load_format or ("auto" if args.checkpoint else "dummy")
+    return ServeConfig(model=args.model, scale=args.scale, tp=args.tp, dp=args.dp, ep=args.ep, device=args.device,
+                       host=args.host, port=args.port, checkpoint=args.checkpoint, load_format=load_format,
+                       seed=args.seed, arena=args.arena, max_batch_size=args.max_batch_size,
+                       weight_version=args.weight_version, dist_port=args.dist_port,
+                       compute_dtype=args.compute_dtype)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_server(config_from_args(args), log_level=args.log_level)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
+    """Start every rank, serve HTTP on this process until stopped, then tear down.
+
+    Returns:
+        0 on a clean stop.
+
+    Raises:
+        ValueError: bad configuration or a checkpoint that does not match the model (before any
+            process is started).
+    """
+    import multiprocessing as mp
+
+    from weightsync.models.checkpoint import HFCheckpoint
+    from weightsync.rollout.bootstrap import build_rank, check_config, finish_rank
+    from weightsync.rollout.loader import validate_checkpoint
+
+    spec, par = check_config(cfg)
+    if cfg.checkpoint is not None:
+        with HFCheckpoint(cfg.checkpoint) as ckpt:
+            validate_checkpoint(spec, ckpt)
+    port = cfg.dist_port if cfg.dist_port is not None else _free_port()
+    procs = []
+    if par.tp > 1:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker_main, args=(cfg, r, port), name=f"engine-rank{r}", daemon=True)
+                 for r in range(1, par.tp)]
+        for p in procs:
+            p.start()
+    engine = build_rank(cfg, spec, par, 0, port)
+    try:
+        _serve(cfg, engine, par, log_level)
+    finally:
+        finish_rank(engine)
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                logger.warning("engine rank process %s did not exit; terminating it", p.name)
+                p.terminate()
+    return 0
+
+
+def _worker_main(cfg: ServeConfig, rank: int, port: int) -> None:
+    """Entry point of ranks > 0 (a spawned process)."""
+    from weightsync.rollout.control import worker_loop
+    from weightsync.rollout.bootstrap import build_rank, check_config, finish_rank
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+    spec, par = check_config(cfg)
+    engine = build_rank(cfg, spec, par, rank, port)
+    try:
+        worker_loop(engine)
+    finally:
+        finish_rank(engine)
+
+
+def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str) -> None:
+    import uvicorn
+
+    from weightsync.rollout.control import Driver, Op
+    from weightsync.rollout.http_api import ServerContext, build_app
+    from weightsync.rollout.scheduler import Scheduler
+    from weightsync.rollout.tokenizer import load_tokenizer
+
+    driver = Driver(engine)
+    sched = Scheduler(driver, transfer_infos=driver.run(Op.TRANSFER_INFO), max_batch_size=cfg.max_batch_size,
+                      weight_version=cfg.weight_version)
+    tokenizer = load_tokenizer(engine.spec.vocab_size, cfg.checkpoint)
+    engine.eos_token_ids = tokenizer.eos_token_ids
+    info = {**asdict(cfg), "model_path": cfg.checkpoint or f"dummy:{cfg.model}", "tokenizer": tokenizer.name,
+            "vocab_size": engine.spec.vocab_size, "context_length": engine.spec.max_position_embeddings,
+            "tp_size": par.tp, "dp_size": par.dp, "ep_size": par.ep, "pid": os.getpid()}
+    sched.start()
+    try:
+        server = uvicorn.Server(uvicorn.Config(build_app(ServerContext(scheduler=sched, tokenizer=tokenizer, par=par,
+                                                                       server_info=info)),
+                                               host=cfg.host, port=cfg.port, log_level=log_level,
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        logger.info("serving %s (scale %s, tp %d dp %d ep %d, %s) on http://%s:%d", cfg.model, cfg.scale, par.tp,
+                    par.dp, par.ep, cfg.device, cfg.host, cfg.port)
+        server.run()
+    finally:
+        sched.stop()
