@@ -1,0 +1,105 @@
+"""Run configuration: the one place where environment variables are read.
+
+``RunConfig`` holds everything a ``run`` needs; :func:`env_settings` reads the reference
+system's variables (``CKPT_SAVE_DIR``, ``SKIP_VALIDATION``, ``BUCKET_SIZE_GB``,
+``MILES_LOG_DIR``) and the transport ones (``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``) and
+nothing below this module reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weightsync.layout.parallel import RolloutParallel, TrainParallel
+
+DEFAULT_CKPT_DIR = "/root/multinode"
+"""The reference system's default checkpoint directory."""
+DEFAULT_BUCKET_GB = 1.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EnvSettings:
+    """The environment variables of the reference document, parsed once."""
+
+    ckpt_dir: Path
+    """``CKPT_SAVE_DIR`` (default ``/root/multinode``)."""
+    skip_validation: bool
+    """``SKIP_VALIDATION=1`` skips ``--check-weight-update-equal``."""
+    bucket_gb: float
+    """``BUCKET_SIZE_GB`` (default 1)."""
+    log_dir: Path | None
+    """``MILES_LOG_DIR``: logs, ``results.json`` and plots."""
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+
+
+def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
+    """Parse the environment variables (``os.environ`` by default).
+
+    Raises:
+        ValueError: a variable has a value that cannot be used (the message names it).
+    """
+    env = os.environ if environ is None else environ
+    skip = env.get("SKIP_VALIDATION", "0").strip()
+    if skip not in ("0", "1", ""):
+        raise ValueError(f"SKIP_VALIDATION must be 0 or 1, got {skip!r}")
+    raw_bucket = env.get("BUCKET_SIZE_GB", "").strip()
+    try:
+        bucket = float(raw_bucket) if raw_bucket else DEFAULT_BUCKET_GB
+    except ValueError:
+        raise ValueError(f"BUCKET_SIZE_GB must be a number of GB, got {raw_bucket!r}") from None
+    if not bucket > 0:
+        raise ValueError(f"BUCKET_SIZE_GB must be positive, got {raw_bucket!r}")
+    log_dir = env.get("MILES_LOG_DIR", "").strip()
+    return EnvSettings(
+        ckpt_dir=Path(env.get("CKPT_SAVE_DIR", "").strip() or DEFAULT_CKPT_DIR),
+        skip_validation=skip == "1",
+        bucket_gb=bucket,
+        log_dir=Path(log_dir) if log_dir else None,
+        mooncake_protocol=env.get("MOONCAKE_PROTOCOL", "tcp").strip() or "tcp",
+        mooncake_device=env.get("MOONCAKE_DEVICE", "").strip(),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """One ``run``: model, mode, layouts, and where things go."""
+
+    model: str
+    scale: str
+    """``full``, ``layers=N`` or ``tiny`` (the embedded default runs ``tiny``)."""
+    mode: str
+    """``p2p`` or ``broadcast``."""
+    device: str
+    """``cpu`` or ``cuda``."""
+    train: TrainParallel
+    rollout: RolloutParallel
+    num_steps: int
+    env: EnvSettings
+    log_dir: Path
+    transport: str = "auto"
+    """p2p transport: ``auto`` (the written policy), or forced ``shm`` / ``mooncake`` / ``cuda_ipc``."""
+    prompts_per_step: int = 4
+    max_new_tokens: int = 8
+    seed: int = 1234
+    host: str = "127.0.0.1"
+    embedded_default: bool = False
+    """True when the profile did not fit this machine and the tiny CPU default runs instead."""
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("p2p", "broadcast"):
+            raise ValueError(f"unknown mode {self.mode!r}: use p2p or broadcast")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}: use cpu or cuda")
+        if self.num_steps < 1:
+            raise ValueError(f"--num-rollout must be >= 1, got {self.num_steps}")
+        if self.transport not in ("auto", "shm", "mooncake", "cuda_ipc"):
+            raise ValueError(f"unknown transport {self.transport!r}: use auto, shm, mooncake or cuda_ipc")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.env.bucket_gb * (1 << 30))

@@ -1,0 +1,146 @@
+"""``weightsync run MODEL``: train and update rollout engines every step (the reference system's ``run``).
+
+Resolves the run from the model's profile and the machine: where the machine has the GPUs the
+profile needs, the profile runs as is; otherwise ``run`` says so in one line and runs the
+*embedded default*: the same family at tiny scale on CPU, trainer TP 2 and engine TP 2 (EP 2
+for MoE families, DP-attention where the profile uses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from weightsync.launch.config import EnvSettings, RunConfig, env_settings
+from weightsync.layout.parallel import RolloutParallel, TrainParallel
+from weightsync.models import get_model, get_profile, list_models
+from weightsync.models.profiles_base import RunProfile
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="registry model name (weightsync list)")
+    p.add_argument("--mode", default="p2p", help="p2p (default) or broadcast")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 = head)")
+    p.add_argument("--head-ip", default="", help="head node address (multi-node profiles)")
+    p.add_argument("--num-rollout", type=int, default=3, help="training steps, each followed by an update")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when the profile fits")
+    p.add_argument("--scale", default=None, help="full | layers=N | tiny (default: the profile's or tiny)")
+    p.add_argument("--train", default=None, help="tp=..,pp=..,cp=..,ep=..,etp=..,world=.. (default: profile)")
+    p.add_argument("--rollout", default=None, help="tp=..,ep=..,dp=..,engines=.. (default: profile)")
+    p.add_argument("--transport", default="auto", help="p2p transport: auto | shm | mooncake | cuda_ipc")
+    p.add_argument("--prompts-per-step", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+
+
+def parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, int]:
+    """``"tp=2,ep=2"`` -> ``{"tp": 2, "ep": 2}``; unknown keys and non-integers are errors."""
+    out: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or key not in allowed:
+            raise ValueError(f"--{what}: {item!r} is not one of {', '.join(k + '=N' for k in allowed)}")
+        try:
+            out[key] = int(val)
+        except ValueError:
+            raise ValueError(f"--{what}: {key} must be an integer, got {val!r}") from None
+    return out
+
+
+def train_from_args(text: str) -> TrainParallel:
+    kv = parse_kv(text, ("tp", "pp", "cp", "ep", "etp", "world", "last"), "train")
+    world = kv.pop("world", kv.get("tp", 1) * kv.get("pp", 1) * kv.get("cp", 1))
+    last = kv.pop("last", None)
+    return TrainParallel(world_size=world, pp_last_stage_layers=last, **kv)
+
+
+def rollout_from_args(text: str) -> RolloutParallel:
+    kv = parse_kv(text, ("tp", "ep", "dp", "engines"), "rollout")
+    engines = kv.pop("engines", 1)
+    return RolloutParallel(num_engines=engines, **kv)
+
+
+def cuda_devices() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def embedded_default(profile: RunProfile) -> tuple[TrainParallel, RolloutParallel]:
+    """The tiny CPU layout of a profile's family: TP 2 on both sides (EP 2 for MoE, DP-attention kept)."""
+    spec = get_model(profile.model, "tiny")
+    ep = 2 if spec.is_moe else 1
+    train = TrainParallel(world_size=2, tp=2, ep=ep)
+    dp = 2 if profile.rollout.dp > 1 else 1
+    return train, RolloutParallel(tp=2, ep=ep, dp=dp, dp_lm_head=profile.rollout.dp_lm_head and dp > 1)
+
+
+def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
+    """The run this invocation stands for, or None when this node has nothing to do.
+
+    Raises:
+        ValueError: unknown model or mode, or a bad parallel layout (the message says which).
+    """
+    if args.model not in list_models():
+        raise ValueError(f"unknown model {args.model!r}; known: {', '.join(list_models())}")
+    if args.mode not in ("p2p", "broadcast"):
+        raise ValueError(f"unknown mode {args.mode!r}: use p2p or broadcast")
+    profile = get_profile(args.model)
+    explicit = any(x is not None for x in (args.scale, args.train, args.rollout, args.device))
+    needed = profile.num_train_gpus + profile.num_rollout_gpus
+    have = cuda_devices()
+    embedded = False
+    if explicit:
+        device = args.device or ("cuda" if have else "cpu")
+        scale = args.scale or ("full" if device == "cuda" else "tiny")
+        train = train_from_args(args.train) if args.train else profile.train
+        rollout = rollout_from_args(args.rollout) if args.rollout else profile.rollout
+    elif have >= needed and profile.num_nodes == 1:
+        device, scale, train, rollout = "cuda", "full", profile.train, profile.rollout
+    else:
+        if args.node_rank != 0:
+            print(f"{args.model}: this machine lacks the {needed} GPUs of the profile; the embedded default runs on "
+                  f"the head node only, so node {args.node_rank} has nothing to do.")
+            return None
+        train, rollout = embedded_default(profile)
+        device, scale, embedded = "cpu", "tiny", True
+        print(f"{args.model}: the profile needs {needed} GPUs on {profile.num_nodes} node(s), this machine has {have}: "
+              f"running the embedded default ({get_model(args.model).family} family, tiny scale, CPU, "
+              f"train TP {train.tp}/EP {train.ep} -> engine TP {rollout.tp}/EP {rollout.ep}/DP {rollout.dp}).")
+    if device == "cuda" and have < train.world_size + rollout.world_size:
+        raise ValueError(f"this run needs {train.world_size + rollout.world_size} GPUs on one node "
+                         f"({train.world_size} train + {rollout.world_size} rollout); this machine has {have}. "
+                         "Placement across several nodes is not built yet.")
+    log_dir = env.log_dir or Path("logs") / f"{args.model}_{args.mode}_{time.strftime('%Y%m%d-%H%M%S')}"
+    return RunConfig(model=args.model, scale=scale, mode=args.mode, device=device, train=train, rollout=rollout,
+                     num_steps=args.num_rollout, env=env, log_dir=Path(log_dir), transport=args.transport,
+                     prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
+                     embedded_default=embedded)
+
+
+def main(args: argparse.Namespace) -> int:
+    from weightsync.launch.session import RunSession
+    from weightsync.trainer.prepare import ensure_prepared
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        env = env_settings()
+        cfg = resolve(args, env)
+    except ValueError as exc:
+        print(f"weightsync run: {exc}", file=sys.stderr)
+        return 2
+    if cfg is None:
+        return 0
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train)
+    print(f"model {cfg.model} ({cfg.scale}), mode {cfg.mode}, {cfg.device}; checkpoint {hf_dir}; logs {cfg.log_dir}",
+          flush=True)
+    summary = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir).run()
+    return 0 if summary["validation_passed"] else 1

@@ -1,0 +1,352 @@
+"""The run loop: engines generate, the trainer steps, the weights move, the engines are checked.
+
+One :class:`RunSession` per ``run``. Its top level reads as the loop it is::
+
+    start()                      engines + trainer ranks, layout checks, transfer set-up
+    initial_update()             step 0: check-weight-update-equal (unless SKIP_VALIDATION=1)
+    for each step: generate() -> train() -> update() -> validate()
+    finish()                     table, results.json, plot
+
+An update is timed from the return of ``pause_generation`` to the return of
+``continue_generation`` and split into phases: pause, pack, wire, barrier, post_load, resume
+(pack and wire are the slowest trainer rank's).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from weightsync.launch.config import RunConfig
+from weightsync.launch.engine_client import EngineError
+from weightsync.launch.procs import LocalProcs, free_port, serve_argv
+from weightsync.launch.report import plot_phases, step_table, summary, write_results
+from weightsync.launch.trainer_worker import Cmd, WorkerConfig
+from weightsync.launch.validate import PARITY_PROMPTS, compare_checksums, expected_checksums, max_abs_diff
+from weightsync.layout.megatron import trainer_layout
+from weightsync.layout.sglang import engine_layout
+from weightsync.models import get_model
+from weightsync.plan.inputs import build_inputs
+
+log = logging.getLogger(__name__)
+
+LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+"""Max |engine - reference| of prompt logprobs, per model dtype (TP reductions reorder sums)."""
+
+
+class RunError(RuntimeError):
+    """The run stopped; the message says why (before any byte is written when it can)."""
+
+
+class RunSession:
+    """One run (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, *, hf_dir: Path, torch_dist_dir: Path) -> None:
+        self.cfg = cfg
+        self.spec = get_model(cfg.model, cfg.scale)
+        self.hf_dir = hf_dir
+        self.torch_dist_dir = torch_dist_dir
+        self.procs = LocalProcs(cfg.log_dir)
+        self.inputs = build_inputs(self.spec, cfg.train, cfg.rollout, trainer_layout=trainer_layout,
+                                   engine_layout=engine_layout)
+        self.steps: list[dict[str, Any]] = []
+        self.version = 0
+        self._reference: Any = None
+        self._buckets: Any = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Everything, with teardown on any exit; returns the summary."""
+        try:
+            self.start()
+            self.steps.append(self.initial_update())
+            self._print_step(self.steps[-1])
+            for step in range(1, self.cfg.num_steps + 1):
+                samples = self.generate(step)
+                self.train(samples)
+                record = self.update(step)
+                record.update(self.validate(step))
+                self.steps.append(record)
+                self._print_step(record)
+            return self.finish()
+        finally:
+            self.procs.close()
+
+    def _transport(self) -> str:
+        if self.cfg.transport != "auto":
+            return self.cfg.transport
+        return "cuda_ipc" if self.cfg.device == "cuda" else "shm"
+
+    def start(self) -> None:
+        cfg = self.cfg
+        r = cfg.rollout
+        ports = [free_port(cfg.host) for _ in range(r.num_engines)]
+        argvs = [
+            serve_argv(model=cfg.model, scale=cfg.scale, tp=r.tp, ep=r.ep, dp=r.dp, device=cfg.device, port=p,
+                       checkpoint=None if cfg.env.skip_validation else self.hf_dir, transport=self._transport(),
+                       host=cfg.host)
+            for p in ports
+        ]
+        print(f"starting {r.num_engines} engine(s) of {r.tp} rank(s) and {cfg.train.world_size} trainer rank(s) ...",
+              flush=True)
+        self.procs.start_engines(argvs, [f"http://{cfg.host}:{p}" for p in ports], timeout_s=300)
+        self.check_engines()
+        wcfg = WorkerConfig(model=cfg.model, scale=cfg.scale, train=cfg.train, rollout=cfg.rollout,
+                            ckpt_dir=str(self.torch_dist_dir), master_addr=cfg.host, master_port=free_port(cfg.host),
+                            device=cfg.device, bucket_bytes=cfg.bucket_bytes, transport=self._transport(),
+                            mooncake_protocol=cfg.env.mooncake_protocol, mooncake_device=cfg.env.mooncake_device,
+                            seed=cfg.seed)
+        self.procs.start_trainers(wcfg, timeout_s=300)
+        if cfg.mode == "p2p":
+            self.setup_p2p()
+        else:
+            self.setup_broadcast()
+
+    def check_engines(self) -> None:
+        """Refuse engines that serve another model or layout, before any byte is written."""
+        r = self.cfg.rollout
+        for i, info in enumerate(self.procs.on_engines(lambda c: c.server_info())):
+            problems = []
+            if info.get("model") not in (None, self.cfg.model) and info.get("model_path") != str(self.hf_dir):
+                problems.append(f"model {info.get('model')!r} (expected {self.cfg.model!r})")
+            for key, want in (("tp_size", r.tp), ("ep_size", r.ep), ("dp_size", r.dp)):
+                if key in info and int(info[key]) != want:
+                    problems.append(f"{key}={info[key]} (expected {want})")
+            if problems:
+                raise RunError(f"engine {i} does not match this run: " + ", ".join(problems))
+
+    def _transfer_infos(self) -> dict[int, dict[str, Any]]:
+        """Every rollout rank's published descriptor and parameter table, by global rollout rank."""
+        tp = self.cfg.rollout.tp
+        out: dict[int, dict[str, Any]] = {}
+        for e, eng in enumerate(self.procs.engines):
+            for r in range(tp):
+                info = eng.client.transfer_engine_info(r)
+                session, weights = info["remote_instance_transfer_engine_info"]
+                descriptor = info.get("transport_descriptor")
+                if descriptor is None:
+                    raise RunError(f"engine {e} rank {r} published no transport descriptor: start it with --transport")
+                out[e * tp + r] = {"session_id": session, "weights": weights, "descriptor": descriptor}
+        return out
+
+    def setup_p2p(self) -> None:
+        infos = self._transfer_infos()
+        res = self.procs.command(Cmd.SETUP_P2P, infos)
+        ops = sum(x["ops"] for x in res)
+        print(f"p2p plan: {ops} ops over {len(res)} trainer ranks, {sum(x['bytes'] for x in res) / 1e6:.1f} MB per "
+              f"update, planned in {max(x['plan_s'] for x in res):.2f} s", flush=True)
+
+    def setup_broadcast(self) -> None:
+        from weightsync.plan.broadcast import plan_broadcast
+
+        plan = plan_broadcast(self.inputs, bucket_bytes=self.cfg.bucket_bytes)
+        self._buckets = plan.buckets
+        sources = sorted({b.src_rank for b in plan.buckets})
+        world = 1 + self.cfg.rollout.world_size
+        backend = "nccl" if self.cfg.device == "cuda" else "gloo"
+        group = {"master_address": self.cfg.host, "world_size": world, "backend": backend,
+                 "ports": {str(s): free_port(self.cfg.host) for s in sources},
+                 "group_names": {str(s): f"weightsync_src{s}" for s in sources}}
+        self._group = group
+        fut = self.procs.command_async(Cmd.SETUP_BROADCAST, group)
+        tp = self.cfg.rollout.tp
+        joins = [
+            self.procs.submit(eng.client.init_weights_update_group, master_address=self.cfg.host,
+                              master_port=int(group["ports"][str(s)]), rank_offset=1 + e * tp, world_size=world,
+                              group_name=group["group_names"][str(s)], backend=backend)
+            for s in sources
+            for e, eng in enumerate(self.procs.engines)
+        ]
+        for j in joins:
+            j.result()
+        fut.result()
+
+    # -- steps ----------------------------------------------------------------------------------
+    def generate(self, step: int) -> list[dict[str, Any]]:
+        """Every engine generates for a batch of prompts; returns the samples (text, logprobs)."""
+        from weightsync.data import load_prompts
+
+        prompts = load_prompts(self.cfg.prompts_per_step * self.cfg.rollout.num_engines, offset=step)
+        per_engine = self.cfg.prompts_per_step
+        bodies = [
+            {"text": [p["prompt"] for p in prompts[i * per_engine:(i + 1) * per_engine]],
+             "sampling_params": {"max_new_tokens": self.cfg.max_new_tokens, "temperature": 1.0, "top_p": 1.0},
+             "return_logprob": True}
+            for i in range(self.cfg.rollout.num_engines)
+        ]
+        outs = [f.result() for f in [self.procs.submit(e.client.generate, b) for e, b in zip(self.procs.engines, bodies)]]
+        samples: list[dict[str, Any]] = []
+        for out, body in zip(outs, bodies, strict=True):
+            for o, prompt in zip(out, body["text"], strict=True):
+                if o["meta_info"]["weight_version"] != str(self.version):
+                    raise RunError(f"an engine answered with weight version {o['meta_info']['weight_version']}, "
+                                   f"expected {self.version}")
+                samples.append({"prompt": prompt, "output_ids": o["output_ids"], "text": o["text"]})
+        return samples
+
+    def train(self, samples: list[dict[str, Any]]) -> None:
+        self.procs.command(Cmd.TRAIN_STEP, samples)
+
+    def update(self, step: int) -> dict[str, Any]:
+        """Move the weights into every engine; the timed section of a step."""
+        cfg = self.cfg
+        on = self.procs.on_engines
+        t0 = time.perf_counter()
+        on(lambda c: c.pause_generation())
+        t1 = time.perf_counter()
+        on(lambda c: c.begin_weight_update())
+        if cfg.mode == "p2p":
+            res = self.procs.command(Cmd.SEND_P2P)
+            pack = max(x["pack_s"] for x in res)
+            wire = max(x["wire_s"] for x in res)
+            by_dest: dict[int, int] = {}
+            for x in res:
+                for d, n in x["bytes_by_dest"].items():
+                    by_dest[int(d)] = by_dest.get(int(d), 0) + n
+            nbytes = sum(x["bytes"] for x in res)
+        else:
+            pack, wire, nbytes, by_dest = self._broadcast_all()
+        t2 = time.perf_counter()
+        barrier = max(0.0, (t2 - t1) - pack - wire)
+        ends = on(lambda c: c.end_weight_update())
+        t3 = time.perf_counter()
+        self.version = step
+        on(lambda c: c.update_weight_version(str(self.version)))
+        on(lambda c: c.continue_generation())
+        t4 = time.perf_counter()
+        post = [e.get("post_load_s", 0.0) if isinstance(e, dict) else 0.0 for e in ends]
+        return {
+            "step": step, "mode": cfg.mode, "update_s": t4 - t1,
+            "phases": {"pause": t1 - t0, "pack": pack, "wire": wire, "barrier": barrier, "post_load": t3 - t2,
+                       "resume": t4 - t3},
+            "post_load_engine_s": max(post, default=0.0),
+            "bytes": nbytes, "bytes_per_receiver": {str(k): v for k, v in sorted(by_dest.items())},
+        }
+
+    def _broadcast_all(self) -> tuple[float, float, int, dict[int, int]]:
+        from weightsync.trainer.broadcast import announcement
+
+        pack = wire = 0.0
+        nbytes = 0
+        for b in self._buckets:
+            names, dtypes, shapes = announcement(self.inputs, b.names)
+            fut = self.procs.command_async(Cmd.SEND_BROADCAST, list(b.names))
+            group_name = self._group["group_names"][str(b.src_rank)]
+            self.procs.on_engines(lambda c, n=names, d=dtypes, s=shapes, g=group_name: c.update_weights_from_distributed(
+                names=n, dtypes=d, shapes=s, group_name=g, flush_cache=False))
+            res = fut.result()
+            pack += max(x["pack_s"] for x in res)
+            wire += max(x["wire_s"] for x in res)
+            nbytes += sum(x["bytes"] for x in res)
+        per_rank = {d: nbytes for d in range(self.cfg.rollout.world_size)}
+        return pack, wire, nbytes * self.cfg.rollout.world_size, per_rank
+
+    def initial_update(self) -> dict[str, Any]:
+        """Step 0: the first update, with the trainer's initial weights.
+
+        Unless ``SKIP_VALIDATION=1`` this is sglang's ``--check-weight-update-equal``: the engines'
+        weights loaded from the checkpoint are snapshotted, reset to random values, updated, and
+        compared bit for bit with the snapshot.
+        """
+        validation: dict[str, str] = {}
+        skip = self.cfg.env.skip_validation
+        if not skip:
+            self.procs.on_engines(lambda c: c.weights_checker("snapshot"))
+            self.procs.on_engines(lambda c: c.weights_checker("reset_tensors"))
+        record = self.update(0)
+        if not self.cfg.env.skip_validation:
+            results = self.procs.on_engines(lambda c: c.weights_checker("compare"))
+            bad = [f"engine {i}: {r}" for i, r in enumerate(results) if not _compare_ok(r)]
+            validation["check_weight_update_equal"] = "pass" if not bad else "fail: " + "; ".join(bad)[:500]
+        else:
+            validation["check_weight_update_equal"] = "skipped"
+        checks = self.validate(0)
+        record["validation"] = {**validation, **checks.pop("validation")}
+        record.update(checks)
+        return record
+
+    def validate(self, step: int) -> dict[str, Any]:
+        """Checksums of every engine parameter against the trainer's weights, and logprob parity."""
+        from weightsync.trainer.synthetic import reference_global_tensors
+
+        read = reference_global_tensors(self.hf_dir, self.spec, step=step, seed=self.cfg.seed)
+        tp = self.cfg.rollout.tp
+        want = [expected_checksums(self.spec, self.cfg.rollout, r, read) for r in range(tp)]
+        bad: list[str] = []
+        for e, eng in enumerate(self.procs.engines):
+            for r in range(tp):
+                got = eng.client.weights_checker("checksum", rank=r)
+                sums = got.get("checksums", got)
+                diff = compare_checksums(sums, want[r])
+                if diff:
+                    bad.append(f"engine {e} rank {r}: {len(diff)} tensors differ, e.g. {diff[:3]}")
+        lp = self._logprob_parity(read)
+        tol = LOGPROB_TOL.get(self.spec.dtype, 2e-2)
+        out: dict[str, str] = {}
+        out["checksums"] = "pass" if not bad else "fail: " + "; ".join(bad)[:500]
+        out["logprob_parity"] = "pass" if lp <= tol else f"fail: max |d| {lp:.3g} > {tol}"
+        return {"validation": out, "logprob_max_abs_diff": lp}
+
+    def _logprob_parity(self, read: Any) -> float:
+        from weightsync.rollout.reference import reference_prompt_logprobs
+
+        body = {"text": list(PARITY_PROMPTS), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True, "logprob_start_len": 0}
+        worst = 0.0
+        outs = self.procs.on_engines(lambda c: c.generate(body))
+        for out in outs:
+            for o, prompt in zip(out, PARITY_PROMPTS, strict=True):
+                got = [row[0] for row in o["meta_info"]["input_token_logprobs"]]
+                want = reference_prompt_logprobs(self.spec, read, self.hf_dir, prompt)
+                worst = max(worst, max_abs_diff(got, want))
+        return worst
+
+    def finish(self) -> dict[str, Any]:
+        meta = {"model": self.cfg.model, "scale": self.cfg.scale, "mode": self.cfg.mode, "device": self.cfg.device,
+                "train": repr(self.cfg.train), "rollout": repr(self.cfg.rollout), "transport": self._transport(),
+                "bucket_bytes": self.cfg.bucket_bytes, "embedded_default": self.cfg.embedded_default,
+                "dest_bytes_per_receiver": self._dest_bytes()}
+        path = write_results(self.cfg.log_dir, meta, self.steps)
+        plot = plot_phases(self.cfg.log_dir, self.steps, f"{self.cfg.model} ({self.cfg.scale}) {self.cfg.mode}")
+        print()
+        print(step_table(self.steps))
+        s = summary(self.steps)
+        print(f"\nsummary: {s['steps']} updates, mean {s['mean_update_s']:.4f} s after the first, "
+              f"{s['bytes_per_update'] / 1e6:.2f} MB per update, validation "
+              f"{'passed' if s['validation_passed'] else 'FAILED'}")
+        print(f"results: {path}" + (f", plot: {plot}" if plot else ""))
+        return s
+
+    def _dest_bytes(self) -> dict[str, int]:
+        """Bytes of each rollout rank's shard that come from global tensors (what p2p must move)."""
+        from weightsync.layout.box import box_volume
+        from weightsync.models.hf import DTYPE_BYTES
+
+        out: dict[str, int] = {}
+        for d in range(self.cfg.rollout.world_size):
+            n = 0
+            for t in self.inputs.dest_layout(d):
+                if not t.derived:
+                    n += sum(box_volume(p.local_box) for p in t.pieces) * DTYPE_BYTES[t.dtype]
+            out[str(d)] = n
+        return out
+
+    def _print_step(self, record: dict[str, Any]) -> None:
+        val = record.get("validation", {})
+        ok = all(v in ("pass", "skipped") for v in val.values())
+        print(f"step {record['step']}: {record['mode']} update {record['update_s'] * 1e3:.1f} ms, "
+              f"{record['bytes'] / 1e6:.2f} MB, validation {'pass' if ok else val}", flush=True)
+
+
+def _compare_ok(result: Any) -> bool:
+    if isinstance(result, dict):
+        if "mismatches" in result:
+            return not result["mismatches"]
+        if "equal" in result:
+            return bool(result["equal"])
+    return False
+
+
+__all__ = ["EngineError", "RunError", "RunSession"]

@@ -1,0 +1,92 @@
+"""Validation of a run: what the engines must hold after an update, and logprob parity.
+
+Both checks compare the engines against the *trainer's* weights, computed independently of the
+transfer: the global tensors at a step (from the trainer backend's reference copy) are laid
+out into each engine rank's parameters by the engine's own loading code, post-load derivations
+included, and hashed the way the engine's ``/weights_checker checksum`` hashes; logprobs of fixed
+prompts come from a single-process reference forward of the same global tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from weightsync.layout.box import Box
+from weightsync.layout.parallel import RolloutParallel
+from weightsync.layout.sglang import engine_layout
+from weightsync.models.spec import ModelSpec
+
+ReadGlobal = Callable[[str], torch.Tensor]
+"""Global tensor name -> the full tensor (trainer's weights at some step)."""
+
+PARITY_PROMPTS: tuple[str, ...] = (
+    "What is 12 + 30? Answer:",
+    "Compute 7 * 6.",
+    "The square root of 1764 is",
+)
+"""Fixed prompts of the logprob parity check."""
+
+
+def expected_checksums(spec: ModelSpec, rollout: RolloutParallel, rank: int, read: ReadGlobal) -> dict[str, str]:
+    """Per-parameter xxh64 that rank ``rank`` of every engine must report after an update.
+
+    Args:
+        spec: the model.
+        rollout: the engine's parallel layout.
+        rank: rank inside the engine.
+        read: the trainer's global tensors.
+
+    Returns:
+        ``{param name: hex digest}`` for every parameter of the rank (derived ones included).
+    """
+    from weightsync.rollout.checker import WeightChecker
+    from weightsync.rollout.loader import run_post_load, write_global
+    from weightsync.rollout.params import ParamStore
+
+    store = ParamStore(engine_layout(spec, rollout, rank), device=torch.device("cpu"))
+    try:
+        cache: dict[str, torch.Tensor] = {}
+
+        def reader(name: str) -> Callable[[Box], torch.Tensor]:
+            def read_box(box: Box) -> torch.Tensor:
+                if name not in cache:
+                    cache.clear()
+                    cache[name] = read(name)
+                return cache[name][tuple(slice(a, b) for a, b in box)]
+
+            return read_box
+
+        for name in _stored_globals(store):
+            write_global(store, spec, name, reader(name))
+        run_post_load(store, spec)
+        sums = WeightChecker(store).checksum()
+        return dict(sums["checksums"]) if "checksums" in sums else dict(sums)  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
+def _stored_globals(store: Any) -> list[str]:
+    names: list[str] = []
+    seen: set[str] = set()
+    for t in store.layout:
+        for p in t.pieces:
+            if p.global_name not in seen:
+                seen.add(p.global_name)
+                names.append(p.global_name)
+    return names
+
+
+def compare_checksums(got: Mapping[str, str], want: Mapping[str, str]) -> list[str]:
+    """Names whose digests differ, are missing, or are unexpected (empty: all equal)."""
+    bad = [n for n in want if got.get(n) != want[n]]
+    bad += [n for n in got if n not in want]
+    return sorted(bad)
+
+
+def max_abs_diff(a: Sequence[float | None], b: Sequence[float | None]) -> float:
+    """Largest |a_i - b_i| over positions where both are numbers."""
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+    return max(diffs, default=0.0)

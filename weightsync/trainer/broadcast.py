@@ -1,0 +1,229 @@
+"""The broadcast sender (the baseline): gather full tensors on one rank per stage, broadcast them.
+
+For each bucket of the broadcast plan, the stage source (the lowest rank of a PP stage) pulls
+the pieces it lacks from the other ranks of its stage over the trainer's process group,
+assembles the full HF tensors, converts them to the engines' storage format (fp8 block
+quantization and its ``weight_scale_inv`` where the engine stores fp8), and broadcasts them one
+by one over the weight-update group it shares with every rollout rank (sglang's
+``/update_weights_from_distributed`` receives them in the same order).
+
+Which rank contributes which piece is a pure function of the layouts (the source's own pieces
+first, then the lowest rank holding each missing region), so every rank knows what to send
+without being told.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.layout.box import Box, LocalTensor, Piece, box_intersect
+from weightsync.models.spec import ModelSpec
+from weightsync.plan.broadcast import megatron_stage, stage_sources, wire_dtypes
+from weightsync.plan.inputs import PlanInputs
+from weightsync.quant.fp8 import quantize_block_fp8
+from weightsync.transport.group import new_weight_update_group
+
+log = logging.getLogger(__name__)
+
+Contribution = tuple[int, str, Piece]
+"""``(trainer rank, its local tensor name, the piece it contributes)``."""
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def contributions(inputs: PlanInputs, source: int, names: set[str]) -> dict[str, list[Contribution]]:
+    """For each global tensor in ``names`` gathered by ``source``: who contributes which piece.
+
+    The source's own pieces come first; then ranks of the same stage in ascending order add
+    every piece that does not meet one already taken (replicas of a taken piece are skipped).
+
+    Raises:
+        ValueError: two ranks hold partially overlapping pieces (the layouts are inconsistent),
+            or a tensor is not fully covered by the stage.
+    """
+    stage_of = megatron_stage(inputs)
+    stage = stage_of(source)
+    ranks = [source] + [r for r in range(inputs.train.world_size) if r != source and stage_of(r) == stage]
+    taken: dict[str, list[Contribution]] = defaultdict(list)
+    for r in ranks:
+        for t in inputs.source_layouts[r]:
+            for p in t.pieces:
+                if p.global_name not in names:
+                    continue
+                hit = [c for c in taken[p.global_name] if box_intersect(c[2].global_box, p.global_box) is not None]
+                if not hit:
+                    taken[p.global_name].append((r, t.name, p))
+                elif any(c[2].global_box != p.global_box for c in hit):
+                    raise ValueError(f"{p.global_name}: rank {r} holds {p.global_box}, which partly overlaps "
+                                     f"{hit[0][2].global_box} of rank {hit[0][0]}")
+    for name in names:
+        g = inputs.globals[name]
+        got = sum(_vol(c[2].global_box) for c in taken.get(name, []))
+        if got != g.numel:
+            raise ValueError(f"{name}: stage {stage} holds {got} of its {g.numel} elements")
+    return dict(taken)
+
+
+def _vol(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+class BroadcastSender:
+    """One trainer rank's part of the broadcast path (see the module docstring).
+
+    Every rank of the trainer calls :meth:`send_bucket` with the same names, in the same order
+    (it hangs otherwise): sources gather and broadcast, the others send their pieces.
+    """
+
+    def __init__(self, spec: ModelSpec, inputs: PlanInputs, rank: int, layout: Sequence[LocalTensor],
+                 params: Mapping[str, torch.Tensor], *, group: Mapping[str, Any], device: str) -> None:
+        """Join the weight-update group if this rank is a stage source.
+
+        Args:
+            spec: the model.
+            inputs: planner inputs (both layouts).
+            rank: this trainer rank.
+            layout: its local tensors.
+            params: its parameters by local name.
+            group: ``{"master_address", "master_port", "world_size", "backend", "group_names":
+                {source rank: group name}, "ports": {source rank: port}}``.
+            device: ``cpu`` or ``cuda``.
+        """
+        self.spec = spec
+        self.inputs = inputs
+        self.rank = rank
+        self.params = params
+        self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        self.owner = stage_sources(inputs)
+        self.wire = wire_dtypes(inputs)
+        self.is_source = rank in set(self.owner.values())
+        self._layout = {t.name: t for t in layout}
+        self.group = None
+        if self.is_source:
+            self.group = new_weight_update_group(
+                master_address=group["master_address"], master_port=int(group["ports"][str(rank)]), rank=0,
+                world_size=int(group["world_size"]), group_name=group["group_names"][str(rank)],
+                backend=group["backend"])
+
+    def _gather(self, source: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """Assemble the full tensors ``names`` on ``source`` (others: send pieces; returns {})."""
+        contrib = contributions(self.inputs, source, set(names))
+        mine: list[tuple[str, str, Piece]] = []
+        incoming: dict[int, list[tuple[str, Piece]]] = defaultdict(list)
+        for name in names:
+            for r, local, piece in contrib[name]:
+                if r == self.rank:
+                    mine.append((name, local, piece))
+                elif self.rank == source:
+                    incoming[r].append((name, piece))
+        if self.rank != source:
+            if mine:
+                flat = torch.cat([self.params[local][_slices(p.local_box)].reshape(-1) for _, local, p in mine])
+                dist.send(flat.cpu() if flat.is_cuda else flat, dst=source)
+            return {}
+        full: dict[str, torch.Tensor] = {}
+        for name in names:
+            g = self.inputs.globals[name]
+            full[name] = torch.empty(g.shape, dtype=getattr(torch, g.dtype), device=self.device)
+        for name, local, p in mine:
+            full[name][_slices(p.global_box)] = self.params[local][_slices(p.local_box)].reshape(
+                tuple(b - a for a, b in p.global_box))
+        for r, items in sorted(incoming.items()):
+            dtype = full[items[0][0]].dtype
+            flat = torch.empty(sum(_vol(p.global_box) for _, p in items), dtype=dtype)
+            dist.recv(flat, src=r)
+            off = 0
+            for name, p in items:
+                n = _vol(p.global_box)
+                full[name][_slices(p.global_box)] = flat[off:off + n].view(tuple(b - a for a, b in p.global_box))
+                off += n
+        return full
+
+    def _to_wire(self, names: list[str], full: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Convert to the engines' storage dtypes; fp8 weights bring their ``_scale_inv``."""
+        out: list[tuple[str, torch.Tensor]] = []
+        scales: dict[str, torch.Tensor] = {}
+        for name in names:
+            g = self.inputs.globals[name]
+            if g.quant_of is not None:
+                continue
+            t = full[name]
+            wire = self.wire.get(name, g.dtype)
+            if wire == "float8_e4m3fn":
+                assert g.block is not None
+                q, s = quantize_block_fp8(t, g.block)
+                out.append((name, q))
+                scales[name + "_scale_inv"] = s
+            elif str(t.dtype).removeprefix("torch.") != wire:
+                out.append((name, t.to(getattr(torch, wire))))
+            else:
+                out.append((name, t))
+        for name in names:
+            if name in scales:
+                out.append((name, scales[name]))
+        return out
+
+    def send_bucket(self, names: Sequence[str]) -> dict[str, Any]:
+        """Gather, convert and broadcast one bucket (collective over the trainer ranks).
+
+        Returns:
+            ``{"pack_s", "wire_s", "bytes"}`` of this rank (sources: bytes broadcast).
+        """
+        by_source: dict[int, list[str]] = defaultdict(list)
+        for n in names:
+            by_source[self.owner[n]].append(n)
+        t0 = time.perf_counter()
+        sent = 0
+        wire_s = 0.0
+        for source in sorted(by_source):
+            weights = [n for n in by_source[source] if self.inputs.globals[n].quant_of is None]
+            full = self._gather(source, weights)
+            if self.rank != source:
+                continue
+            tensors = self._to_wire(by_source[source], full)
+            tw = time.perf_counter()
+            assert self.group is not None
+            for _, t in tensors:
+                self.group.broadcast([t.contiguous()], 0).wait()
+                sent += t.numel() * t.element_size()
+            wire_s += time.perf_counter() - tw
+        total = time.perf_counter() - t0
+        return {"pack_s": total - wire_s, "wire_s": wire_s, "bytes": sent}
+
+    def close(self) -> None:
+        self.group = None
+
+
+def announcement(inputs: PlanInputs, names: Sequence[str]) -> tuple[list[str], list[str], list[list[int]]]:
+    """``(names, dtypes, shapes)`` of a bucket in the order :meth:`BroadcastSender.send_bucket`
+    broadcasts them: per source, weights first, then the fp8 scales of that source's weights."""
+    owner = stage_sources(inputs)
+    wire = wire_dtypes(inputs)
+    by_source: dict[int, list[str]] = defaultdict(list)
+    for n in names:
+        by_source[owner[n]].append(n)
+    out_n: list[str] = []
+    out_d: list[str] = []
+    out_s: list[list[int]] = []
+    for source in sorted(by_source):
+        group = by_source[source]
+        ordered = [n for n in group if inputs.globals[n].quant_of is None]
+        ordered += [n + "_scale_inv" for n in ordered if wire.get(n) == "float8_e4m3fn"]
+        for n in ordered:
+            g = inputs.globals[n]
+            out_n.append(n)
+            out_d.append(wire.get(n, g.dtype))
+            out_s.append(list(g.shape))
+    return out_n, out_d, out_s

@@ -1,0 +1,351 @@
+"""The p2p sender: one trainer rank replays its share of the static plan into live engine memory.
+
+Each op of the plan copies a box of one of this rank's parameters into a box of a parameter of
+one rollout rank. The sender compiles its ops once against the addresses the engines publish
+(``/get_remote_instance_transfer_engine_info``):
+
+* untransformed ops become byte runs straight from parameter memory into the destination
+  (no staging, no extra copy), one prepared write batch per destination rank;
+* transformed ops (cast, fp8 block quantization and its scales) are packed on this rank into
+  a registered staging buffer, in buckets of at most ``bucket_bytes``; two staging halves
+  alternate so that packing bucket ``i + 1`` overlaps the write of bucket ``i``.
+
+Every step only replays: ``send()`` issues the direct batches, then packs and writes the
+buckets, then waits for everything before it returns (the trainer may change its weights
+only after that). Memory is registered once, in :meth:`P2PSender.__init__`.
+
+Typical usage::
+
+    sender = P2PSender(ops, params, transport, peers, bucket_bytes=1 << 30)
+    stats = sender.send(deadline_s=60.0)      # every step
+    sender.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from weightsync.layout.box import Box, LocalTensor, box_shape, box_volume
+from weightsync.plan.ops import CopyOp, box_runs
+from weightsync.quant.fp8 import block_scale_inv, quantize_block_fp8
+from weightsync.transport.base import Peer, PeerDescriptor, Transport, WriteBatch, WriteHandle, deadline_after
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DestParam:
+    """One parameter of a rollout rank as the engine publishes it (address in the engine)."""
+
+    addr: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DestRank:
+    """What one rollout rank publishes: its transport descriptor and its parameters."""
+
+    rank: int
+    descriptor: PeerDescriptor
+    params: Mapping[str, DestParam]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SendStats:
+    """Timings and bytes of one :meth:`P2PSender.send`."""
+
+    total_s: float
+    pack_s: float
+    """Time spent packing and transforming into staging (on this rank's critical path)."""
+    wire_s: float
+    """The rest: issuing writes and waiting for them."""
+    bytes_direct: int
+    bytes_staged: int
+    bytes_by_dest: dict[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_direct + self.bytes_staged
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """A transformed op: packed at ``offset`` of its bucket's staging half, then written as runs."""
+
+    op: CopyOp
+    offset: int
+    nbytes: int
+
+
+def dest_rank_from_info(rank: int, info: Mapping[str, object], layout: Sequence[LocalTensor]) -> DestRank:
+    """Check what rollout rank ``rank`` published against the layout the plan expects.
+
+    Args:
+        rank: the rollout rank.
+        info: ``{"descriptor": PeerDescriptor JSON, "weights": {name: [ptr, numel, element_size]}}``
+            (the engine's ``/get_remote_instance_transfer_engine_info`` answer).
+        layout: the rank's local tensors as the plan computed them.
+
+    Raises:
+        ValueError: a parameter is missing, extra, or has another size or element size than the
+            plan expects (an engine started with another model or layout); nothing is written.
+    """
+    weights = info["weights"]
+    assert isinstance(weights, Mapping)
+    problems: list[str] = []
+    params: dict[str, DestParam] = {}
+    for t in layout:
+        pub = weights.get(t.name)
+        dtype = getattr(torch, t.dtype)
+        if pub is None:
+            problems.append(f"missing {t.name}")
+            continue
+        ptr, numel, esize = (int(x) for x in pub)
+        if numel != t.numel or esize != dtype.itemsize:
+            problems.append(f"{t.name}: published numel={numel} x {esize} B, plan expects {t.numel} x {dtype.itemsize} B")
+            continue
+        params[t.name] = DestParam(addr=ptr, shape=t.shape, dtype=dtype)
+    extra = sorted(set(weights) - {t.name for t in layout})
+    if extra:
+        problems.append(f"unexpected parameters {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    if problems:
+        raise ValueError(
+            f"rollout rank {rank} does not have the layout the plan expects (another model or parallel layout?): "
+            + "; ".join(problems[:10])
+        )
+    desc = info["descriptor"]
+    assert isinstance(desc, Mapping)
+    return DestRank(rank=rank, descriptor=PeerDescriptor.from_json(dict(desc)), params=params)
+
+
+def _pair(src: list[tuple[int, int]], dst: list[tuple[int, int]], src_base: int, dst_base: int) -> np.ndarray:
+    """Pair two run lists of equal total length into ``(src_addr, dst_addr, nbytes)`` rows."""
+    out: list[tuple[int, int, int]] = []
+    i = j = 0
+    so, sl = src[0]
+    do, dl = dst[0]
+    while True:
+        n = min(sl, dl)
+        out.append((src_base + so, dst_base + do, n))
+        so, sl, do, dl = so + n, sl - n, do + n, dl - n
+        if sl == 0:
+            i += 1
+            if i == len(src):
+                break
+            so, sl = src[i]
+        if dl == 0:
+            j += 1
+            do, dl = dst[j]
+    return np.array(out, dtype=np.int64).reshape(-1, 3)
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+class P2PSender:
+    """Replays one trainer rank's ops every step (see the module docstring)."""
+
+    def __init__(
+        self,
+        ops: Sequence[CopyOp],
+        params: Mapping[str, torch.Tensor],
+        transport: Transport,
+        dests: Mapping[int, DestRank],
+        *,
+        bucket_bytes: int,
+        source_regions: Sequence[tuple[str, torch.Tensor]] | None = None,
+        fp8_blocks: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """Register memory, connect to every destination and compile the ops.
+
+        Args:
+            ops: this rank's ops (all with the same ``src_rank``).
+            params: this rank's parameters by name (contiguous tensors that stay allocated).
+            transport: the transport to write with (not yet holding registrations of ours).
+            dests: rollout rank -> what it published, for every rank the ops write to.
+            bucket_bytes: staging bucket size (``BUCKET_SIZE_GB``); staging holds two buckets.
+            source_regions: memory to register as the write source (e.g. the arena holding
+                every parameter); default: each parameter an op reads, registered on its own.
+            fp8_blocks: global weight name -> fp8 block, for ops that quantize.
+
+        Raises:
+            ValueError: an op names a parameter that does not exist on either side, or a box
+                that does not fit it (the message names the parameter).
+        """
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.transport = transport
+        self.params = params
+        self.dests = dests
+        self.fp8_blocks = dict(fp8_blocks or {})
+        self._check_ops(ops)
+        direct = [op for op in ops if op.transform is None]
+        staged = [op for op in ops if op.transform is not None]
+        self.bucket_bytes = bucket_bytes
+        self._buckets = self._make_buckets(staged)
+        stage_cap = max((sum(s.nbytes for s in b) for b in self._buckets), default=0)
+        self._staging = [torch.empty(stage_cap, dtype=torch.uint8, device=self._device()) for _ in range(2)]
+        self._register_sources(direct, source_regions)
+        self._peers: dict[int, Peer] = {r: transport.connect(d.descriptor) for r, d in dests.items()}
+        self._direct = self._compile_direct(direct)
+        self._bucket_runs = [self._compile_bucket(b, half=i % 2) for i, b in enumerate(self._buckets)]
+        self.bytes_direct = sum(b.nbytes for b in self._direct.values())
+        self.bytes_staged = sum(s.nbytes for b in self._buckets for s in b)
+
+    # -- compile (once) -----------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        for t in self.params.values():
+            return t.device
+        return torch.device("cpu")
+
+    def _check_ops(self, ops: Sequence[CopyOp]) -> None:
+        for op in ops:
+            src = self.params.get(op.src_param)
+            if src is None:
+                raise ValueError(f"plan reads {op.src_param!r}, which this trainer rank does not hold")
+            if not src.is_contiguous():
+                raise ValueError(f"source parameter {op.src_param!r} must be contiguous")
+            dest = self.dests.get(op.dst_rank)
+            if dest is None:
+                raise ValueError(f"plan writes rollout rank {op.dst_rank}, which published nothing")
+            dp = dest.params.get(op.dst_param)
+            if dp is None:
+                raise ValueError(f"rollout rank {op.dst_rank} has no parameter {op.dst_param!r}")
+            for box, shape, what in ((op.src_box, tuple(src.shape), op.src_param), (op.dst_box, dp.shape, op.dst_param)):
+                if len(box) != len(shape) or any(a < 0 or b > d for (a, b), d in zip(box, shape, strict=True)):
+                    raise ValueError(f"plan box {box} does not fit {what!r} of shape {shape}")
+
+    def _op_dst_bytes(self, op: CopyOp) -> int:
+        return box_volume(op.dst_box) * self.dests[op.dst_rank].params[op.dst_param].itemsize
+
+    def _make_buckets(self, staged: Sequence[CopyOp]) -> list[list[_Staged]]:
+        buckets: list[list[_Staged]] = []
+        cur: list[_Staged] = []
+        used = 0
+        for op in staged:
+            n = self._op_dst_bytes(op)
+            if cur and used + n > self.bucket_bytes:
+                buckets.append(cur)
+                cur, used = [], 0
+            cur.append(_Staged(op=op, offset=used, nbytes=n))
+            used += -(-n // 256) * 256  # keep every packed region 256-byte aligned
+        if cur:
+            buckets.append(cur)
+        return buckets
+
+    def _register_sources(self, direct: Sequence[CopyOp], source_regions: Sequence[tuple[str, torch.Tensor]] | None) -> None:
+        if source_regions is None:
+            names = sorted({op.src_param for op in direct})
+            source_regions = [(n, self.params[n]) for n in names]
+        for name, t in source_regions:
+            self.transport.register_tensor(f"src:{name}", t)
+        for i, s in enumerate(self._staging):
+            if s.numel():
+                self.transport.register_tensor(f"staging{i}", s)
+
+    def _compile_direct(self, direct: Sequence[CopyOp]) -> dict[int, WriteBatch]:
+        per_dest: dict[int, list[np.ndarray]] = defaultdict(list)
+        for op in direct:
+            src = self.params[op.src_param]
+            dp = self.dests[op.dst_rank].params[op.dst_param]
+            isz = src.element_size()
+            if src.dtype != dp.dtype:
+                raise ValueError(f"{op.src_param} ({src.dtype}) -> {op.dst_param} ({dp.dtype}) needs a transform")
+            s_runs = box_runs(tuple(src.shape), op.src_box, isz)
+            d_runs = box_runs(dp.shape, op.dst_box, isz)
+            per_dest[op.dst_rank].append(_pair(s_runs, d_runs, src.data_ptr(), dp.addr))
+        return {r: self.transport.prepare(self._peers[r], np.concatenate(rs)) for r, rs in per_dest.items()}
+
+    def _compile_bucket(self, bucket: Sequence[_Staged], half: int) -> dict[int, WriteBatch]:
+        base = self._staging[half].data_ptr()
+        per_dest: dict[int, list[np.ndarray]] = defaultdict(list)
+        for s in bucket:
+            dp = self.dests[s.op.dst_rank].params[s.op.dst_param]
+            d_runs = box_runs(dp.shape, s.op.dst_box, dp.itemsize)
+            per_dest[s.op.dst_rank].append(_pair([(s.offset, s.nbytes)], d_runs, base, dp.addr))
+        return {r: self.transport.prepare(self._peers[r], np.concatenate(rs)) for r, rs in per_dest.items()}
+
+    # -- replay (every step) ------------------------------------------------------------------
+
+    def _pack(self, bucket: Sequence[_Staged], half: int) -> None:
+        staging = self._staging[half]
+        for s in bucket:
+            op = s.op
+            dp = self.dests[op.dst_rank].params[op.dst_param]
+            src = self.params[op.src_param][_slices(op.src_box)]
+            if op.transform == "cast":
+                out = src.to(dp.dtype)
+            elif op.transform in ("fp8_quant", "fp8_scale"):
+                block = self._block(op)
+                if op.transform == "fp8_quant":
+                    out, _ = quantize_block_fp8(src.reshape(box_shape(op.src_box)[-2:]), block)
+                else:
+                    out = block_scale_inv(src.reshape(box_shape(op.src_box)[-2:]), block)
+            else:
+                raise ValueError(f"unknown transform {op.transform!r} on {op.global_name}")
+            view = staging[s.offset : s.offset + s.nbytes].view(dp.dtype)
+            view.copy_(out.reshape(-1))
+
+    def _block(self, op: CopyOp) -> tuple[int, int]:
+        block = self.fp8_blocks.get(op.global_name.removesuffix("_scale_inv"))
+        if block is None:
+            raise ValueError(f"no fp8 block size known for {op.global_name}; pass fp8_blocks to P2PSender")
+        return block
+
+    def send(self, *, deadline_s: float = 300.0) -> SendStats:
+        """Write every op of this rank once; returns when all bytes have landed.
+
+        Raises:
+            TimeoutError: a write did not complete within ``deadline_s`` (engines must then be
+                treated as dirty: the caller keeps them paused).
+        """
+        t0 = time.perf_counter()
+        deadline = deadline_after(deadline_s)
+        pending: list[WriteHandle] = [self.transport.write(self._peers[r], b) for r, b in self._direct.items()]
+        in_flight: list[list[WriteHandle]] = [[], []]
+        pack_s = 0.0
+        for i, bucket in enumerate(self._buckets):
+            half = i % 2
+            for h in in_flight[half]:  # the half we pack into must have been written out
+                self.transport.wait(h, deadline)
+            tp = time.perf_counter()
+            self._pack(bucket, half)
+            if self._staging[half].is_cuda:
+                torch.cuda.current_stream().synchronize()
+            pack_s += time.perf_counter() - tp
+            in_flight[half] = [self.transport.write(self._peers[r], b) for r, b in self._bucket_runs[i].items()]
+        for h in pending + in_flight[0] + in_flight[1]:
+            self.transport.wait(h, deadline)
+        total = time.perf_counter() - t0
+        by_dest: dict[int, int] = defaultdict(int)
+        for r, b in self._direct.items():
+            by_dest[r] += b.nbytes
+        for runs in self._bucket_runs:
+            for r, b in runs.items():
+                by_dest[r] += b.nbytes
+        return SendStats(
+            total_s=total,
+            pack_s=pack_s,
+            wire_s=total - pack_s,
+            bytes_direct=self.bytes_direct,
+            bytes_staged=self.bytes_staged,
+            bytes_by_dest=dict(by_dest),
+        )
+
+    def close(self) -> None:
+        """Release registrations and connections (idempotent)."""
+        self.transport.close()
