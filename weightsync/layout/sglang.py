@@ -27,9 +27,15 @@ Choices where sglang has several paths (documented once here):
   fused variant is not produced). No redundant experts (EPLB off): expert ``e`` lives on EP rank
   ``e // (E / ep)``.
 * The MLA path absorbs ``kv_b_proj`` into ``w_kc``/``w_vc`` after loading; both are listed
-  as ``derived`` (recomputed by the engine, never written by a plan).
+  as ``derived`` (recomputed by the engine, never written by a plan) in the model dtype. (Real
+  sglang keeps them bf16 for 128x128 fp8 blocks and re-quantizes them per tensor otherwise; they
+  are engine-internal either way.)
 
-Legend: ``s`` = attention-TP rank, ``t`` = moe-TP rank, ``e`` = EP rank, ``*_l`` = local size.
+Dtypes: the model dtype (``spec.dtype``), except block-quantized linear weights
+(``float8_e4m3fn``) and their ``weight_scale_inv`` (``float32``), the router's
+``e_score_correction_bias`` (``float32``, MoEGate / Glm4MoeGate) and the DSA indexer's
+``k_norm`` weight and bias (``float32``, V32LayerNorm). A local dtype other than the global
+tensor's tells the sender to cast (or quantize) while packing.
 
 Typical usage::
 
@@ -57,6 +63,7 @@ from weightsync.layout.sglang_parts import (
     build_mlp,
     build_vocab,
     dense_mlp_split,
+    kv_head_range,
 )
 from weightsync.models.spec import ModelSpec
 
@@ -65,8 +72,10 @@ __all__ = [
     "EngineCoords",
     "VocabShard",
     "check_engine_parallel",
+    "dense_mlp_split",
     "engine_coords",
     "engine_layout",
+    "kv_head_range",
     "vocab_shard",
 ]
 
