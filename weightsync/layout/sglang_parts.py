@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from weightsync.layout.box import Box, LocalTensor, Piece, full_box
 from weightsync.layout.parallel import RolloutParallel
 from weightsync.layout.sglang_coords import EngineCoords, VocabShard
-from weightsync.models.hf import _fp8_linear
+from weightsync.models.hf import is_fp8_linear
 from weightsync.models.spec import Family, ModelSpec
 
 FP8 = "float8_e4m3fn"
@@ -88,7 +88,7 @@ class LayerBuilder:
 
     def emit(self, name: str, shape: tuple[int, ...], segs: list[Seg], dtype: str | None = None) -> None:
         """Append local tensor ``name``; when its weights are fp8 block-quantized, its scale tensor too."""
-        quant = [_fp8_linear(self.spec, s.gname) for s in segs]
+        quant = [is_fp8_linear(self.spec, s.gname) for s in segs]
         if segs and any(quant) != all(quant):
             raise AssertionError(f"{name}: mixes fp8-quantized and unquantized global tensors")
         if not (segs and quant[0]):

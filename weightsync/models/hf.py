@@ -46,7 +46,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _fp8_linear(spec: ModelSpec, name: str) -> bool:
+def is_fp8_linear(spec: ModelSpec, name: str) -> bool:
     """Whether the engine stores this linear weight block-quantized (DeepSeek-V3 fp8 rule)."""
     if spec.fp8_block is None or not name.startswith("model.layers."):
         return False
@@ -150,7 +150,7 @@ def global_tensors(spec: ModelSpec) -> dict[str, GlobalTensor]:
     out: dict[str, GlobalTensor] = {}
     for name, shape in shapes.items():
         dtype = "float32" if name.endswith("e_score_correction_bias") else spec.dtype
-        if _fp8_linear(spec, name):
+        if is_fp8_linear(spec, name):
             assert spec.fp8_block is not None
             out[name] = GlobalTensor(name=name, shape=shape, dtype=dtype, block=spec.fp8_block)
             b0, b1 = spec.fp8_block
