@@ -104,8 +104,13 @@ class Reference:
     def _mla(self, p: str, h: torch.Tensor) -> torch.Tensor:
         s, t = self.spec, self.t
         a = p + "self_attn."
-        n, nope, rope, vd, c = (s.num_attention_heads, s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim,
-                                s.kv_lora_rank)
+        n, nope, rope, vd, c = (
+            s.num_attention_heads,
+            s.qk_nope_head_dim,
+            s.qk_rope_head_dim,
+            s.v_head_dim,
+            s.kv_lora_rank,
+        )
         if s.q_lora_rank is not None:
             q_lat = _rms(h @ t[a + "q_a_proj.weight"].T, t[a + "q_a_layernorm.weight"], s.rms_norm_eps)
             q = q_lat @ t[a + "q_b_proj.weight"].T
@@ -173,7 +178,7 @@ class Reference:
         for tok in range(h.shape[0]):
             for slot in range(k):
                 e = int(ids[tok, slot])
-                out[tok] += weights[tok, slot] * self._ffn(f"{m}experts.{e}.", h[tok: tok + 1])[0]
+                out[tok] += weights[tok, slot] * self._ffn(f"{m}experts.{e}.", h[tok : tok + 1])[0]
         if s.num_shared_experts:
             out = out + self._ffn(m + "shared_experts.", h)
         return out

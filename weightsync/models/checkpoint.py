@@ -39,8 +39,15 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 _ST_DTYPES = {
-    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn", "I32": "int32", "I64": "int64", "U8": "uint8", "BOOL": "bool",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "I32": "int32",
+    "I64": "int64",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
 """safetensors dtype tag -> torch dtype name."""
 
@@ -88,11 +95,12 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
             v_head_dim=spec.v_head_dim,
         )
     if spec.has_indexer:
-        cfg.update(index_n_heads=spec.index_n_heads, index_head_dim=spec.index_head_dim,
-                   index_topk=spec.index_topk)
+        cfg.update(index_n_heads=spec.index_n_heads, index_head_dim=spec.index_head_dim, index_topk=spec.index_topk)
     if spec.fp8_block is not None:
         cfg["quantization_config"] = {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
             "weight_block_size": list(spec.fp8_block),
         }
     return cfg
@@ -106,8 +114,12 @@ def _moe_config(spec: ModelSpec) -> dict[str, Any]:
         "norm_topk_prob": spec.norm_topk_prob,
     }
     if spec.family is Family.QWEN3_MOE:
-        return {**common, "num_experts": spec.num_experts, "decoder_sparse_step": spec.moe_layer_freq,
-                "mlp_only_layers": []}
+        return {
+            **common,
+            "num_experts": spec.num_experts,
+            "decoder_sparse_step": spec.moe_layer_freq,
+            "mlp_only_layers": [],
+        }
     return {
         **common,
         "n_routed_experts": spec.num_experts,
@@ -145,8 +157,9 @@ def _init_std(gt: GlobalTensor) -> tuple[float, float]:
     return 0.0, 1.0 / math.sqrt(fan_in)
 
 
-def synthetic_hf_tensor(spec: ModelSpec, name: str, seed: int = 0, device: str = "cpu",
-                        table: dict[str, GlobalTensor] | None = None) -> Any:
+def synthetic_hf_tensor(
+    spec: ModelSpec, name: str, seed: int = 0, device: str = "cpu", table: dict[str, GlobalTensor] | None = None
+) -> Any:
     """One global tensor of the synthetic checkpoint of ``spec`` (see the module docstring).
 
     Args:
@@ -191,7 +204,8 @@ def _fp8_exact(gt: GlobalTensor, seed: int, device: str) -> tuple[Any, Any]:
 
     from weightsync.quant.fp8 import FP8_MAX, quantize_block_fp8
 
-    assert gt.block is not None and len(gt.shape) == 2
+    assert gt.block is not None
+    assert len(gt.shape) == 2
     b0, b1 = gt.block
     w = _normal(gt, seed, device).float()
     rows, cols = w.shape
@@ -237,8 +251,9 @@ def synthetic_hf_tensors(spec: ModelSpec, seed: int = 0, device: str = "cpu") ->
 # --------------------------------------------------------------------------- file I/O
 
 
-def write_hf_checkpoint(path: str | Path, tensors: dict[str, Any], config: dict[str, Any],
-                        max_shard_bytes: int | None = None) -> Path:
+def write_hf_checkpoint(
+    path: str | Path, tensors: dict[str, Any], config: dict[str, Any], max_shard_bytes: int | None = None
+) -> Path:
     """Write an HF checkpoint directory (creates it; overwrites files of the same names).
 
     Args:
@@ -320,8 +335,9 @@ class HFCheckpoint:
     def __enter__(self) -> HFCheckpoint:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:

@@ -38,9 +38,16 @@ def split_kv_b(kv_b: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int) -> tu
     return w[:, :qk_nope_head_dim, :], w[:, qk_nope_head_dim:, :].transpose(1, 2)
 
 
-def derive_w_kc_w_vc(kv_b: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, *, qk_nope_head_dim: int,
-                     v_head_dim: int, scale_inv: torch.Tensor | None = None,
-                     block: tuple[int, int] | None = None) -> None:
+def derive_w_kc_w_vc(
+    kv_b: torch.Tensor,
+    w_kc: torch.Tensor,
+    w_vc: torch.Tensor,
+    *,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    scale_inv: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> None:
     """Recompute ``w_kc`` and ``w_vc`` in place from ``kv_b_proj`` (their storage is kept).
 
     Args:
@@ -61,7 +68,9 @@ def derive_w_kc_w_vc(kv_b: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
         kv_b = dequantize_block_fp8(kv_b, scale_inv, block, dtype=w_kc.dtype)
     kc, vc = split_kv_b(kv_b, qk_nope_head_dim, v_head_dim)
     if kc.shape != w_kc.shape or vc.shape != w_vc.shape:
-        raise ValueError(f"w_kc {tuple(w_kc.shape)} / w_vc {tuple(w_vc.shape)} do not match kv_b_proj "
-                         f"{tuple(kv_b.shape)} (expected {tuple(kc.shape)} / {tuple(vc.shape)})")
+        raise ValueError(
+            f"w_kc {tuple(w_kc.shape)} / w_vc {tuple(w_vc.shape)} do not match kv_b_proj "
+            f"{tuple(kv_b.shape)} (expected {tuple(kc.shape)} / {tuple(vc.shape)})"
+        )
     w_kc.copy_(kc)
     w_vc.copy_(vc)

@@ -51,8 +51,16 @@ def _write(cache: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -
     cache[rows, positions] = values.to(cache.dtype)
 
 
-def gqa_attention(spec: ModelSpec, w: WeightFn, a: str, x: torch.Tensor, positions: torch.Tensor,
-                  cache: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int) -> torch.Tensor:
+def gqa_attention(
+    spec: ModelSpec,
+    w: WeightFn,
+    a: str,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cache: dict[str, torch.Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
     """One GQA layer (Qwen3 / Qwen3-MoE / GLM-4.5) for this rank's heads.
 
     Args:
@@ -84,14 +92,22 @@ def gqa_attention(spec: ModelSpec, w: WeightFn, a: str, x: torch.Tensor, positio
     t = int(positions.max()) + 1
     keys, values = cache["k"][:, :t].transpose(1, 2), cache["v"][:, :t].transpose(1, 2)
     mask = causal_mask(positions, t)[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=d**-0.5,
-                                         enable_gqa=num_heads != num_kv_heads)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, values, attn_mask=mask, scale=d**-0.5, enable_gqa=num_heads != num_kv_heads
+    )
     out = out.transpose(1, 2).reshape(bsz, s, num_heads * d)
     return _linear(out, w(a + "o_proj.weight"))
 
 
-def mla_attention(spec: ModelSpec, w: WeightFn, a: str, x: torch.Tensor, positions: torch.Tensor,
-                  cache: dict[str, torch.Tensor], num_heads: int) -> torch.Tensor:
+def mla_attention(
+    spec: ModelSpec,
+    w: WeightFn,
+    a: str,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cache: dict[str, torch.Tensor],
+    num_heads: int,
+) -> torch.Tensor:
     """One MLA layer (absorbed form, latent cache) for this rank's heads.
 
     Args:
@@ -140,8 +156,16 @@ def mla_attention(spec: ModelSpec, w: WeightFn, a: str, x: torch.Tensor, positio
     return _linear(out, w(a + "o_proj.weight"))
 
 
-def dsa_select(spec: ModelSpec, w: WeightFn, ix: str, x: torch.Tensor, q_lat: torch.Tensor,
-               positions: torch.Tensor, cache: dict[str, torch.Tensor], allowed: torch.Tensor) -> torch.Tensor:
+def dsa_select(
+    spec: ModelSpec,
+    w: WeightFn,
+    ix: str,
+    x: torch.Tensor,
+    q_lat: torch.Tensor,
+    positions: torch.Tensor,
+    cache: dict[str, torch.Tensor],
+    allowed: torch.Tensor,
+) -> torch.Tensor:
     """The DSA indexer's key selection ``[B, S, T]`` (True = among the query's top-k keys).
 
     Args:
@@ -161,8 +185,7 @@ def dsa_select(spec: ModelSpec, w: WeightFn, ix: str, x: torch.Tensor, q_lat: to
     n, dim, rope = spec.index_n_heads, spec.index_head_dim, spec.qk_rope_head_dim
     cos, sin = rope_cos_sin(positions, rope, spec.rope_theta)
     q = apply_rope_neox(_linear(q_lat, w(ix + "wq_b.weight")).view(bsz, s, n, dim), cos, sin)
-    k = layer_norm(_linear(x, w(ix + "wk.weight")), w(ix + "k_norm.weight"), w(ix + "k_norm.bias"),
-                   INDEXER_NORM_EPS)
+    k = layer_norm(_linear(x, w(ix + "wk.weight")), w(ix + "k_norm.weight"), w(ix + "k_norm.bias"), INDEXER_NORM_EPS)
     k = apply_rope_neox(k[:, :, None, :], cos, sin)[:, :, 0, :]
     _write(cache["index_k"], positions, k)
     t = allowed.shape[-1]
@@ -174,9 +197,11 @@ def dsa_select(spec: ModelSpec, w: WeightFn, ix: str, x: torch.Tensor, q_lat: to
     return torch.zeros_like(allowed).scatter_(-1, top, True)
 
 
-def new_layer_cache(spec: ModelSpec, batch: int, max_len: int, num_kv_heads: int, device: torch.device,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def new_layer_cache(
+    spec: ModelSpec, batch: int, max_len: int, num_kv_heads: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Empty KV storage of one layer for ``batch`` rows of up to ``max_len`` positions."""
+
     def z(*shape: int) -> torch.Tensor:
         return torch.zeros(batch, max_len, *shape, device=device, dtype=dtype)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,10 +57,15 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.tp))
+        torch.set_num_threads(cfg.cpu_threads)
     if par.tp > 1:
-        dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=par.tp, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            "nccl" if cfg.device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=par.tp,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
         groups = EngineGroups.build(par, rank)
     else:
         groups = EngineGroups.single(par)
@@ -71,8 +75,9 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
     error: BaseException | None = None
     try:
         stats = engine.load_checkpoint(cfg.checkpoint) if cfg.checkpoint else engine.load_dummy(cfg.seed)
-        logger.info("[rank%d] loaded %d tensors (%.1f MB) in %.2f s", rank, stats.num_tensors, stats.nbytes / 1e6,
-                    stats.seconds)
+        logger.info(
+            "[rank%d] loaded %d tensors (%.1f MB) in %.2f s", rank, stats.num_tensors, stats.nbytes / 1e6, stats.seconds
+        )
     except Exception as exc:  # agreed on below, then re-raised as is
         error = exc
     _agree(groups, rank, error)

@@ -32,9 +32,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def new_weight_update_group(*, master_address: str, master_port: int, rank: int, world_size: int,
-                            group_name: str, backend: str,
-                            timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.ProcessGroup:
+def new_weight_update_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> dist.ProcessGroup:
     """Join (rank 0: host) a standalone process group outside the default one.
 
     Hangs until all ``world_size`` ranks have joined or ``timeout`` passes.
@@ -58,8 +65,9 @@ def new_weight_update_group(*, master_address: str, master_port: int, rank: int,
         raise ValueError(f"weight update group rank {rank} is outside [0, {world_size})")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight update group backend must be gloo or nccl, got {backend!r}")
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
     prefixed = dist.PrefixStore(group_name + "/", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -109,14 +117,20 @@ class BroadcastReceiver:
         self.rank = rank
         self._groups: dict[str, tuple[dist.ProcessGroup, str]] = {}
 
-    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str) -> str:
+    def init_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> str:
         """Join group ``group_name`` as ``rank_offset + rank`` (collective with the trainer)."""
         if group_name in self._groups:
             raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
-        pg = new_weight_update_group(master_address=master_address, master_port=master_port,
-                                     rank=rank_offset + self.rank, world_size=world_size, group_name=group_name,
-                                     backend=backend)
+        pg = new_weight_update_group(
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank_offset + self.rank,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
         self._groups[group_name] = (pg, backend)
         return f"joined {group_name!r} as rank {rank_offset + self.rank} of {world_size} ({backend})"
 

@@ -46,8 +46,10 @@ class WeightChecker:
     def snapshot(self) -> dict[str, int]:
         """Copy every parameter to host memory (replacing an older snapshot)."""
         self._snapshot = {n: t.detach().to("cpu", copy=True) for n, t in self.store.items()}
-        return {"num_tensors": len(self._snapshot), "nbytes": sum(t.numel() * t.element_size()
-                                                                  for t in self._snapshot.values())}
+        return {
+            "num_tensors": len(self._snapshot),
+            "nbytes": sum(t.numel() * t.element_size() for t in self._snapshot.values()),
+        }
 
     def reset_tensors(self, seed: int = 0) -> dict[str, int]:
         """Overwrite every written region and every derived tensor with random values."""
@@ -81,16 +83,24 @@ class WeightChecker:
             if torch.equal(_bytes(expect), _bytes(actual)):
                 continue
             diff = (expect.float() - actual.float()).abs()
-            differs = _bytes(expect).view(-1, expect.element_size()).ne(
-                _bytes(actual).view(-1, actual.element_size())).any(dim=1)
-            mismatches.append({"name": name, "max_abs_diff": float(diff.nan_to_num(float("inf")).max()),
-                               "num_diff": int(differs.sum())})
+            differs = (
+                _bytes(expect)
+                .view(-1, expect.element_size())
+                .ne(_bytes(actual).view(-1, actual.element_size()))
+                .any(dim=1)
+            )
+            mismatches.append(
+                {
+                    "name": name,
+                    "max_abs_diff": float(diff.nan_to_num(float("inf")).max()),
+                    "num_diff": int(differs.sum()),
+                }
+            )
         return {"equal": not mismatches, "num_tensors": len(self._snapshot), "mismatches": mismatches}
 
     def checksum(self) -> dict[str, object]:
         """xxh64 of each parameter's bytes, and one digest over all (name-sorted)."""
-        sums = {name: xxhash.xxh64(_bytes(t.detach().to("cpu")).numpy()).hexdigest()
-                for name, t in self.store.items()}
+        sums = {name: xxhash.xxh64(_bytes(t.detach().to("cpu")).numpy()).hexdigest() for name, t in self.store.items()}
         overall = hashlib.sha256()
         for name in sorted(sums):
             overall.update(name.encode())

@@ -63,8 +63,14 @@ class GenResult:
 class Engine:
     """One rank of a rollout engine (see the module docstring)."""
 
-    def __init__(self, spec: ModelSpec, store: ParamStore, groups: EngineGroups, compute_dtype: torch.dtype,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ParamStore,
+        groups: EngineGroups,
+        compute_dtype: torch.dtype,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
         self.spec = spec
         self.store = store
         self.groups = groups
@@ -76,9 +82,16 @@ class Engine:
         self._seed_gen = torch.Generator().manual_seed(1234 + groups.rank)
 
     @classmethod
-    def build(cls, spec: ModelSpec, groups: EngineGroups, *, device: torch.device,
-              compute_dtype: torch.dtype | None = None, arena: ParamArena | None = None,
-              eos_token_ids: tuple[int, ...] = ()) -> Engine:
+    def build(
+        cls,
+        spec: ModelSpec,
+        groups: EngineGroups,
+        *,
+        device: torch.device,
+        compute_dtype: torch.dtype | None = None,
+        arena: ParamArena | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> Engine:
         """Allocate the rank's parameters (zeros) in the sglang layout and build the model.
 
         Args:
@@ -160,15 +173,22 @@ class Engine:
             for b, r in enumerate(reqs):
                 if r.return_logprob and r.logprob_start_len >= 0:
                     lp = prompt_logprobs(full[b, : len(prompts[b])], prompts[b])
-                    results[b].input_logprobs = lp[r.logprob_start_len:]
+                    results[b].input_logprobs = lp[r.logprob_start_len :]
         else:
             last = self.model.logits(hidden[rows, lens.to(dev) - 1])
         self._decode(reqs, results, lens.clone(), total, cache, last, should_abort)
         return results
 
-    def _decode(self, reqs: list[GenRequest], results: list[GenResult], cur: torch.Tensor, total: int,
-                cache: list[dict[str, torch.Tensor]], logits: torch.Tensor,
-                should_abort: Callable[[], bool] | None) -> None:
+    def _decode(
+        self,
+        reqs: list[GenRequest],
+        results: list[GenResult],
+        cur: torch.Tensor,
+        total: int,
+        cache: list[dict[str, torch.Tensor]],
+        logits: torch.Tensor,
+        should_abort: Callable[[], bool] | None,
+    ) -> None:
         """Sample/feed steps until every row stops; ``cur[b]`` is row b's next position.
 
         Each step rank 0 broadcasts ``[token per row, advance per row, continue]``: rows that
@@ -177,9 +197,14 @@ class Engine:
         """
         dev = self.store.device
         num = len(reqs)
-        gens = [torch.Generator().manual_seed(r.sampling.sampling_seed if r.sampling.sampling_seed is not None
-                                              else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen)))
-                for r in reqs]
+        gens = [
+            torch.Generator().manual_seed(
+                r.sampling.sampling_seed
+                if r.sampling.sampling_seed is not None
+                else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+            )
+            for r in reqs
+        ]
         done = [r.sampling.max_new_tokens == 0 for r in reqs]
         for b in range(num):
             if done[b]:
@@ -191,14 +216,22 @@ class Engine:
             ctrl = self.groups.broadcast_tokens(ctrl.to(dev))
             if not int(ctrl[-1]):
                 return
-            tokens, advance = ctrl[:num], ctrl[num: 2 * num].bool()
+            tokens, advance = ctrl[:num], ctrl[num : 2 * num].bool()
             pos = torch.where(advance, cur.to(dev), torch.clamp(cur.to(dev), max=total - 1))
             hidden = self.model.hidden(tokens[:, None], pos[:, None], cache)
             cur = cur + advance.cpu().to(cur.dtype)
             logits = self.model.logits(hidden[:, 0])
 
-    def _step(self, reqs: list[GenRequest], results: list[GenResult], done: list[bool], logits: torch.Tensor,
-              gens: list[torch.Generator], should_abort: Callable[[], bool] | None, ctrl: torch.Tensor) -> None:
+    def _step(
+        self,
+        reqs: list[GenRequest],
+        results: list[GenResult],
+        done: list[bool],
+        logits: torch.Tensor,
+        gens: list[torch.Generator],
+        should_abort: Callable[[], bool] | None,
+        ctrl: torch.Tensor,
+    ) -> None:
         """Rank 0: sample the active rows (or abort them) and fill ``ctrl``."""
         num = len(reqs)
         active = [b for b in range(num) if not done[b]]

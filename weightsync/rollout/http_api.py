@@ -48,11 +48,26 @@ from weightsync.rollout.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 ROUTES = (
-    "/generate", "/health", "/health_generate", "/server_info", "/get_server_info", "/model_info",
-    "/get_model_info", "/parallelism_config", "/get_remote_instance_transfer_engine_info", "/pause_generation",
-    "/continue_generation", "/flush_cache", "/begin_weight_update", "/end_weight_update",
-    "/update_weight_version", "/get_weight_version", "/init_weights_update_group",
-    "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
+    "/generate",
+    "/health",
+    "/health_generate",
+    "/server_info",
+    "/get_server_info",
+    "/model_info",
+    "/get_model_info",
+    "/parallelism_config",
+    "/get_remote_instance_transfer_engine_info",
+    "/pause_generation",
+    "/continue_generation",
+    "/flush_cache",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weight_version",
+    "/get_weight_version",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
+    "/update_weights_from_disk",
     "/weights_checker",
 )
 """Every route the app serves (pinned by a surface test)."""
@@ -68,8 +83,9 @@ class ServerContext:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"object": "error", "message": message, "type": HTTPStatus(status).phrase, "code": status},
-                        status_code=status)
+    return JSONResponse(
+        {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "code": status}, status_code=status
+    )
 
 
 def _check_rank(par: RolloutParallel, rank: int) -> None:
@@ -80,10 +96,23 @@ def _check_rank(par: RolloutParallel, rank: int) -> None:
 def parallelism_config(par: RolloutParallel, rank: int) -> dict[str, int]:
     """sglang's ``RankParallelismConfig`` fields for engine rank ``rank``."""
     c = engine_coords(par, rank)
-    return {"tp_size": c.tp_size, "tp_rank": c.tp_rank, "pp_size": 1, "pp_rank": 0, "ep_size": c.moe_ep_size,
-            "ep_rank": c.moe_ep_rank, "moe_tp_size": c.moe_tp_size, "moe_tp_rank": c.moe_tp_rank,
-            "attn_tp_size": c.attn_tp_size, "attn_tp_rank": c.attn_tp_rank, "attn_dp_size": c.attn_dp_size,
-            "attn_dp_rank": c.attn_dp_rank, "world_size": par.tp, "global_rank": rank, "local_rank": rank}
+    return {
+        "tp_size": c.tp_size,
+        "tp_rank": c.tp_rank,
+        "pp_size": 1,
+        "pp_rank": 0,
+        "ep_size": c.moe_ep_size,
+        "ep_rank": c.moe_ep_rank,
+        "moe_tp_size": c.moe_tp_size,
+        "moe_tp_rank": c.moe_tp_rank,
+        "attn_tp_size": c.attn_tp_size,
+        "attn_tp_rank": c.attn_tp_rank,
+        "attn_dp_size": c.attn_dp_size,
+        "attn_dp_rank": c.attn_dp_rank,
+        "world_size": par.tp,
+        "global_rank": rank,
+        "local_rank": rank,
+    }
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -121,8 +150,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
-        return {"model_path": ctx.server_info.get("model_path"), "tokenizer_path": ctx.server_info.get("model_path"),
-                "is_generation": True, "weight_version": sched.weight_version}
+        return {
+            "model_path": ctx.server_info.get("model_path"),
+            "tokenizer_path": ctx.server_info.get("model_path"),
+            "is_generation": True,
+            "weight_version": sched.weight_version,
+        }
 
     @app.get("/parallelism_config")
     async def parallelism(rank: int = 0) -> dict[str, int]:
@@ -142,8 +175,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
         futures = sched.submit(reqs)
         done = [await asyncio.wrap_future(f) for f in futures]
         latency = time.perf_counter() - t0
-        out = [to_response(r, res, version, tok, latency, body.return_text_in_logprobs)
-               for r, (res, version) in zip(reqs, done)]
+        out = [
+            to_response(r, res, version, tok, latency, body.return_text_in_logprobs)
+            for r, (res, version) in zip(reqs, done)
+        ]
         return out if is_batch else out[0]
 
     @app.post("/pause_generation")
@@ -171,8 +206,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/update_weight_version")
     async def update_version(body: UpdateWeightVersionReqInput) -> dict[str, Any]:
         await asyncio.to_thread(sched.set_weight_version, body.new_version, body.abort_all_requests)
-        return {"success": True, "message": f"Weight version updated to {body.new_version}",
-                "new_version": body.new_version}
+        return {
+            "success": True,
+            "message": f"Weight version updated to {body.new_version}",
+            "new_version": body.new_version,
+        }
 
     @app.get("/get_weight_version")
     async def get_version() -> dict[str, Any]:
@@ -184,9 +222,15 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/update_weights_from_distributed")
     async def update_distributed(body: UpdateWeightsFromDistributedReqInput) -> dict[str, Any]:
-        return await asyncio.to_thread(lambda: sched.update_from_distributed(
-            names=body.names, dtypes=body.dtypes, shapes=body.shapes, group_name=body.group_name,
-            weight_version=body.weight_version))
+        return await asyncio.to_thread(
+            lambda: sched.update_from_distributed(
+                names=body.names,
+                dtypes=body.dtypes,
+                shapes=body.shapes,
+                group_name=body.group_name,
+                weight_version=body.weight_version,
+            )
+        )
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(body: DestroyWeightsUpdateGroupReqInput) -> dict[str, Any]:
@@ -201,10 +245,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
         per_rank = await asyncio.to_thread(sched.check_weights, body.action, body.seed)
         ranks = [{"rank": r, **v} for r, v in enumerate(per_rank)]
         if body.action != "compare":
-            return JSONResponse({"success": True, "message": f"{body.action} done on {len(ranks)} ranks",
-                                 "ranks": ranks})
-        bad = [f"[rank{r['rank']}] {m['name']} max_abs_diff={m['max_abs_diff']}" for r in ranks
-               for m in r["mismatches"]]
+            return JSONResponse(
+                {"success": True, "message": f"{body.action} done on {len(ranks)} ranks", "ranks": ranks}
+            )
+        bad = [
+            f"[rank{r['rank']}] {m['name']} max_abs_diff={m['max_abs_diff']}" for r in ranks for m in r["mismatches"]
+        ]
         msg = "All weights equal." if not bad else f"{len(bad)} tensors differ: " + "; ".join(bad)
         return JSONResponse({"success": not bad, "message": msg, "ranks": ranks}, status_code=200 if not bad else 400)
 

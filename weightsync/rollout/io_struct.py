@@ -146,15 +146,30 @@ def to_gen_requests(body: GenerateReqInput, spec: ModelSpec, tokenizer: Tokenize
             raise ValueError(f"{where}token ids {bad[:10]} are outside the vocab [0, {spec.vocab_size})")
         sp = params[k]
         if len(prompt) + sp.max_new_tokens > spec.max_position_embeddings:
-            raise ValueError(f"{where}prompt ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
-                             f"the context length {spec.max_position_embeddings}")
+            raise ValueError(
+                f"{where}prompt ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
+                f"the context length {spec.max_position_embeddings}"
+            )
         if starts[k] >= len(prompt):
             raise ValueError(f"{where}logprob_start_len {starts[k]} is not below the prompt length {len(prompt)}")
-        sampling = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                  top_k=sp.top_k, stop_token_ids=tuple(sp.stop_token_ids or ()),
-                                  ignore_eos=sp.ignore_eos, sampling_seed=sp.sampling_seed)
-        reqs.append(GenRequest(rid=rids[k], input_ids=tuple(prompt), sampling=sampling,
-                               return_logprob=want_lp[k], logprob_start_len=starts[k]))
+        sampling = SamplingParams(
+            max_new_tokens=sp.max_new_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            stop_token_ids=tuple(sp.stop_token_ids or ()),
+            ignore_eos=sp.ignore_eos,
+            sampling_seed=sp.sampling_seed,
+        )
+        reqs.append(
+            GenRequest(
+                rid=rids[k],
+                input_ids=tuple(prompt),
+                sampling=sampling,
+                return_logprob=want_lp[k],
+                logprob_start_len=starts[k],
+            )
+        )
     return reqs, is_batch
 
 
@@ -162,8 +177,9 @@ def _logprob_rows(values: list[float | None], ids: list[int], tokenizer: Tokeniz
     return [[v, t, tokenizer.decode([t]) if tokenizer is not None else None] for v, t in zip(values, ids)]
 
 
-def to_response(req: GenRequest, res: GenResult, version: str, tokenizer: Tokenizer, latency: float,
-                text_in_logprobs: bool) -> dict[str, Any]:
+def to_response(
+    req: GenRequest, res: GenResult, version: str, tokenizer: Tokenizer, latency: float, text_in_logprobs: bool
+) -> dict[str, Any]:
     """The sglang-shaped ``/generate`` response of one request."""
     meta: dict[str, Any] = {
         "id": req.rid,
@@ -178,7 +194,9 @@ def to_response(req: GenRequest, res: GenResult, version: str, tokenizer: Tokeni
         tok = tokenizer if text_in_logprobs else None
         start = max(req.logprob_start_len, 0)
         meta["input_token_logprobs"] = (
-            _logprob_rows(res.input_logprobs, list(req.input_ids[start:]), tok) if res.input_logprobs is not None
-            else [])
+            _logprob_rows(res.input_logprobs, list(req.input_ids[start:]), tok)
+            if res.input_logprobs is not None
+            else []
+        )
         meta["output_token_logprobs"] = _logprob_rows(res.output_logprobs, res.output_ids, tok)
     return {"text": tokenizer.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta}

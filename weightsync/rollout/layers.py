@@ -77,8 +77,16 @@ def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     return weights, ids
 
 
-def route_sigmoid(logits: torch.Tensor, *, top_k: int, bias: torch.Tensor | None, n_group: int, topk_group: int,
-                  renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_sigmoid(
+    logits: torch.Tensor,
+    *,
+    top_k: int,
+    bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid routing with correction bias and group-limited top-k (DeepSeek-V3 ``noaux_tc``).
 
     The bias only steers the choice; the weights are the unbiased sigmoid scores of the chosen

@@ -85,14 +85,28 @@ def validate_checkpoint(spec: ModelSpec, ckpt: HFCheckpoint) -> list[str]:
             misshaped.append(f"{name} {list(shape)} (expected {list(table[name].shape)})")
         if dtype not in _FLOAT_DTYPES:
             mistyped.append(f"{name} {dtype}")
-    problems = [_names(k, v) for k, v in (("unknown tensors", unknown), ("missing tensors", missing),
-                                           ("mis-shaped tensors", misshaped), ("non-float tensors", mistyped)) if v]
+    problems = [
+        _names(k, v)
+        for k, v in (
+            ("unknown tensors", unknown),
+            ("missing tensors", missing),
+            ("mis-shaped tensors", misshaped),
+            ("non-float tensors", mistyped),
+        )
+        if v
+    ]
     if problems:
-        raise CheckpointError(f"checkpoint {ckpt.path} does not match {spec.name} (scale {spec.scale}): "
-                              + "; ".join(problems))
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} does not match {spec.name} (scale {spec.scale}): " + "; ".join(problems)
+        )
     if ignored:
-        logger.warning("checkpoint %s: ignoring %d tensors of layers >= %d (e.g. %s)", ckpt.path, len(ignored),
-                       spec.num_layers, ignored[0])
+        logger.warning(
+            "checkpoint %s: ignoring %d tensors of layers >= %d (e.g. %s)",
+            ckpt.path,
+            len(ignored),
+            spec.num_layers,
+            ignored[0],
+        )
     return ignored
 
 
@@ -215,9 +229,15 @@ def run_post_load(store: ParamStore, spec: ModelSpec) -> float:
             continue
         prefix = name.removesuffix("w_kc")
         kv_b = prefix + "kv_b_proj.weight"
-        derive_w_kc_w_vc(store[kv_b], store[name], store[prefix + "w_vc"],
-                         qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim,
-                         scale_inv=store.get(kv_b + "_scale_inv"), block=spec.fp8_block)
+        derive_w_kc_w_vc(
+            store[kv_b],
+            store[name],
+            store[prefix + "w_vc"],
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            scale_inv=store.get(kv_b + "_scale_inv"),
+            block=spec.fp8_block,
+        )
     if store.device.type == "cuda":
         torch.cuda.synchronize(store.device)
     return time.perf_counter() - t0

@@ -44,8 +44,9 @@ class Model:
         self.dtype = compute_dtype
         self.device = store.device
         self._embed = vocab_shard(spec, groups.par, groups.rank, lm_head=False)
-        self._head = self._embed if spec.tie_word_embeddings else vocab_shard(spec, groups.par, groups.rank,
-                                                                              lm_head=True)
+        self._head = (
+            self._embed if spec.tie_word_embeddings else vocab_shard(spec, groups.par, groups.rank, lm_head=True)
+        )
         a0 = "model.layers.0.self_attn."
         if spec.is_mla:
             q_name = a0 + ("q_b_proj.weight" if spec.q_lora_rank is not None else "q_proj.weight")
@@ -86,8 +87,10 @@ class Model:
 
     def new_cache(self, batch: int, max_len: int) -> list[dict[str, torch.Tensor]]:
         """Empty KV cache for ``batch`` rows of up to ``max_len`` positions (one dict per layer)."""
-        return [new_layer_cache(self.spec, batch, max_len, self.num_kv_heads, self.device, self.dtype)
-                for _ in range(self.spec.num_layers)]
+        return [
+            new_layer_cache(self.spec, batch, max_len, self.num_kv_heads, self.device, self.dtype)
+            for _ in range(self.spec.num_layers)
+        ]
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Final-norm hidden states ``[B, S, H]`` of tokens ``ids`` at ``positions`` (both ``[B, S]``).
@@ -103,8 +106,9 @@ class Model:
             if spec.is_mla:
                 attn = mla_attention(spec, self.w, p + "self_attn.", h, positions, cache[layer], self.num_heads)
             else:
-                attn = gqa_attention(spec, self.w, p + "self_attn.", h, positions, cache[layer], self.num_heads,
-                                     self.num_kv_heads)
+                attn = gqa_attention(
+                    spec, self.w, p + "self_attn.", h, positions, cache[layer], self.num_heads, self.num_kv_heads
+                )
             x = x + self.groups.attn_tp.all_reduce(attn)
             h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), spec.rms_norm_eps)
             x = x + self._mlp(layer, p + "mlp.", h)
@@ -138,8 +142,10 @@ class Model:
         flat = x.reshape(-1, shape[-1])
         out = self._experts(m, flat)
         if spec.num_shared_experts:
-            out = out + F.linear(swiglu(F.linear(flat, self.w(m + "shared_experts.gate_up_proj.weight"))),
-                                 self.w(m + "shared_experts.down_proj.weight"))
+            out = out + F.linear(
+                swiglu(F.linear(flat, self.w(m + "shared_experts.gate_up_proj.weight"))),
+                self.w(m + "shared_experts.down_proj.weight"),
+            )
         return self.groups.tp.all_reduce(out).view(shape)
 
     def _route(self, m: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,9 +154,15 @@ class Model:
         if spec.router_score_function == "softmax":
             return route_softmax(logits, spec.num_experts_per_tok, spec.norm_topk_prob)
         bias = self.store.get(m + "gate.e_score_correction_bias") if spec.router_expert_bias else None
-        return route_sigmoid(logits, top_k=spec.num_experts_per_tok, bias=bias, n_group=spec.n_group,
-                             topk_group=spec.topk_group, renormalize=spec.norm_topk_prob,
-                             scaling=spec.routed_scaling_factor)
+        return route_sigmoid(
+            logits,
+            top_k=spec.num_experts_per_tok,
+            bias=bias,
+            n_group=spec.n_group,
+            topk_group=spec.topk_group,
+            renormalize=spec.norm_topk_prob,
+            scaling=spec.routed_scaling_factor,
+        )
 
     def _experts(self, m: str, x: torch.Tensor) -> torch.Tensor:
         """This rank's routed experts' partial output ``[N, H]`` (its experts, its moe-TP slice)."""

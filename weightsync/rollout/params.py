@@ -137,13 +137,15 @@ class ParamStore:
         self.nbytes = size
         self._buf = self.arena.allocate(max(size, 1))
         if self._buf.dtype != torch.uint8 or self._buf.numel() < size or self._buf.device.type != device.type:
-            raise ValueError(f"arena returned {self._buf.dtype} x {self._buf.numel()} on {self._buf.device}; "
-                             f"need uint8 x {size} on {device}")
+            raise ValueError(
+                f"arena returned {self._buf.dtype} x {self._buf.numel()} on {self._buf.device}; "
+                f"need uint8 x {size} on {device}"
+            )
         self._tensors: dict[str, torch.Tensor] = {}
         for t in layout:
             dtype = _torch_dtype(t.dtype)
             off = offsets[t.name]
-            raw = self._buf[off: off + t.numel * dtype.itemsize]
+            raw = self._buf[off : off + t.numel * dtype.itemsize]
             self._tensors[t.name] = raw.view(dtype).view(t.shape)
         self._by_global: dict[str, list[tuple[str, Piece]]] = {}
         for t in layout:

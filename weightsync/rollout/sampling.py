@@ -53,8 +53,9 @@ def _truncate(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     return kept / kept.sum()
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                  generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
     Args:

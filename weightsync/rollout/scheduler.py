@@ -90,8 +90,9 @@ class Scheduler:
         sched.stop()
     """
 
-    def __init__(self, driver: Driver, *, transfer_infos: list[Any], max_batch_size: int = 32,
-                 weight_version: str = "default") -> None:
+    def __init__(
+        self, driver: Driver, *, transfer_infos: list[Any], max_batch_size: int = 32, weight_version: str = "default"
+    ) -> None:
         self.driver = driver
         self.spec = driver.engine.spec
         self.transfer_infos = transfer_infos
@@ -240,8 +241,10 @@ class Scheduler:
             if self.state is State.UPDATING:
                 raise Conflict("a weight update is in progress; call /end_weight_update first")
             if self.dirty:
-                raise Conflict("the weights were reset or partly written and no update has completed since; "
-                               "finish an update (end_weight_update) before serving")
+                raise Conflict(
+                    "the weights were reset or partly written and no update has completed since; "
+                    "finish an update (end_weight_update) before serving"
+                )
             self.state = State.SERVING
             self._cv.notify_all()
         return {"message": "Generation continued successfully.", "status": "ok"}
@@ -285,8 +288,11 @@ class Scheduler:
             if self.state is not State.UPDATING:
                 raise Conflict("no weight update in progress; call /begin_weight_update first")
         timing = self._leave_update()
-        return {"success": True, "message": f"weight update ended; post-load {timing['post_load_seconds']:.4f} s",
-                **timing}
+        return {
+            "success": True,
+            "message": f"weight update ended; post-load {timing['post_load_seconds']:.4f} s",
+            **timing,
+        }
 
     def _run_update(self, what: str, job: Callable[[], list[Any]], weight_version: str | None) -> dict[str, Any]:
         implicit = self._enter_update(what, explicit=False)
@@ -299,22 +305,34 @@ class Scheduler:
         out["message"] = f"{what} done" + (f"; weight version {weight_version}" if weight_version else "")
         return out
 
-    def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                group_name: str, weight_version: str | None = None) -> dict[str, Any]:
+    def update_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
         """``/update_weights_from_distributed``: receive full tensors from the trainer's group."""
         check_update_request(self.spec, names, dtypes, shapes)
         if group_name not in self._groups:
             raise ValueError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
-        return self._run_update("update_weights_from_distributed", lambda: self.driver.run(
-            Op.UPDATE_FROM_DISTRIBUTED, names=names, dtypes=dtypes, shapes=shapes, group_name=group_name),
-            weight_version)
+        return self._run_update(
+            "update_weights_from_distributed",
+            lambda: self.driver.run(
+                Op.UPDATE_FROM_DISTRIBUTED, names=names, dtypes=dtypes, shapes=shapes, group_name=group_name
+            ),
+            weight_version,
+        )
 
     def update_from_disk(self, path: str, weight_version: str | None = None) -> dict[str, Any]:
         """``/update_weights_from_disk``: reload every tensor from an HF checkpoint (validated first)."""
         with HFCheckpoint(path) as ckpt:
             validate_checkpoint(self.spec, ckpt)
-        return self._run_update("update_weights_from_disk",
-                                lambda: self.driver.run(Op.LOAD_CHECKPOINT, path=path), weight_version)
+        return self._run_update(
+            "update_weights_from_disk", lambda: self.driver.run(Op.LOAD_CHECKPOINT, path=path), weight_version
+        )
 
     def init_group(self, **kwargs: Any) -> dict[str, Any]:
         """``/init_weights_update_group`` (blocks until the trainer side joins)."""
@@ -358,5 +376,10 @@ class Scheduler:
 
     def status(self) -> dict[str, Any]:
         with self._cv:
-            return {"state": self.state.value, "weights_dirty": self.dirty, "weight_version": self.weight_version,
-                    "num_queued": len(self._pending), "batch_running": self._running}
+            return {
+                "state": self.state.value,
+                "weights_dirty": self.dirty,
+                "weight_version": self.weight_version,
+                "num_queued": len(self._pending),
+                "batch_running": self._running,
+            }

@@ -4,7 +4,8 @@ Rank 0 is this process: it spawns ranks ``1 .. tp-1`` (``multiprocessing`` spawn
 engine's process group with them (gloo on CPU, NCCL on CUDA; ``tcp://127.0.0.1`` rendezvous,
 one host), every rank allocates and loads its own parameters, and rank 0 serves HTTP and drives
 the others (:mod:`weightsync.rollout.control`). Ctrl-C (or SIGTERM) stops the server, releases
-the workers and tears the process group down.
+the workers and tears the process group down (exit status 0); ranks > 0 die with rank 0 if it is
+killed outright (Linux ``PR_SET_PDEATHSIG``).
 
 Typical usage::
 
@@ -16,8 +17,10 @@ Typical usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
+import signal
 import socket
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -58,6 +61,9 @@ class ServeConfig:
     """Rendezvous port of the engine's process group (None: a free one)."""
     compute_dtype: str | None = None
     """Activation dtype (None: float32 on CPU, the model's dtype on CUDA)."""
+    cpu_threads: int = 1
+    """torch intra-op threads per rank on CPU (tiny models are fastest on one; more oversubscribes
+    a small machine running several ranks)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -68,6 +74,8 @@ class ServeConfig:
             raise ValueError("give either --checkpoint or --load-format dummy, not both")
         if self.load_format == "auto" and self.checkpoint is None:
             raise ValueError("no --checkpoint: pass one, or --load-format dummy for synthetic weights")
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
 
@@ -83,29 +91,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=30000)
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="HF checkpoint directory (safetensors + config.json)")
-    src.add_argument("--load-format", choices=("auto", "dummy"), default=None,
-                     help="dummy: seeded synthetic weights instead of a checkpoint")
+    src.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: seeded synthetic weights instead of a checkpoint",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
     parser.add_argument("--arena", default="torch", help="parameter memory provider (default: torch)")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--dist-port", type=int, default=None, help="process-group rendezvous port (default: free)")
     parser.add_argument("--compute-dtype", default=None, help="activation dtype (default: float32 on cpu)")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank on cpu (default: 1)")
     parser.add_argument("--log-level", default="info")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     load_format = args.load_format or ("auto" if args.checkpoint else "dummy")
-    return ServeConfig(model=args.model, scale=args.scale, tp=args.tp, dp=args.dp, ep=args.ep, device=args.device,
-                       host=args.host, port=args.port, checkpoint=args.checkpoint, load_format=load_format,
-                       seed=args.seed, arena=args.arena, max_batch_size=args.max_batch_size,
-                       weight_version=args.weight_version, dist_port=args.dist_port,
-                       compute_dtype=args.compute_dtype)
+    return ServeConfig(
+        model=args.model,
+        scale=args.scale,
+        tp=args.tp,
+        dp=args.dp,
+        ep=args.ep,
+        device=args.device,
+        host=args.host,
+        port=args.port,
+        checkpoint=args.checkpoint,
+        load_format=load_format,
+        seed=args.seed,
+        arena=args.arena,
+        max_batch_size=args.max_batch_size,
+        weight_version=args.weight_version,
+        dist_port=args.dist_port,
+        compute_dtype=args.compute_dtype,
+        cpu_threads=args.cpu_threads,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_server(config_from_args(args), log_level=args.log_level)
+    # uvicorn re-raises the stop signal once it has shut down: turn SIGTERM into SystemExit (as
+    # Ctrl-C is a KeyboardInterrupt) so that the teardown below runs instead of a hard kill.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return run_server(config_from_args(args), log_level=args.log_level)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this process when its parent (rank 0) dies, however it dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank may outlive rank 0", ctypes.get_errno())
 
 
 def _free_port() -> int:
@@ -138,8 +186,10 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
     procs = []
     if par.tp > 1:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker_main, args=(cfg, r, port), name=f"engine-rank{r}", daemon=True)
-                 for r in range(1, par.tp)]
+        procs = [
+            ctx.Process(target=_worker_main, args=(cfg, r, port), name=f"engine-rank{r}", daemon=True)
+            for r in range(1, par.tp)
+        ]
         for p in procs:
             p.start()
     engine = build_rank(cfg, spec, par, 0, port)
@@ -157,9 +207,10 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
 
 def _worker_main(cfg: ServeConfig, rank: int, port: int) -> None:
     """Entry point of ranks > 0 (a spawned process)."""
-    from weightsync.rollout.control import worker_loop
     from weightsync.rollout.bootstrap import build_rank, check_config, finish_rank
+    from weightsync.rollout.control import worker_loop
 
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
     spec, par = check_config(cfg)
     engine = build_rank(cfg, spec, par, rank, port)
@@ -178,21 +229,47 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str) -> None:
     from weightsync.rollout.tokenizer import load_tokenizer
 
     driver = Driver(engine)
-    sched = Scheduler(driver, transfer_infos=driver.run(Op.TRANSFER_INFO), max_batch_size=cfg.max_batch_size,
-                      weight_version=cfg.weight_version)
+    sched = Scheduler(
+        driver,
+        transfer_infos=driver.run(Op.TRANSFER_INFO),
+        max_batch_size=cfg.max_batch_size,
+        weight_version=cfg.weight_version,
+    )
     tokenizer = load_tokenizer(engine.spec.vocab_size, cfg.checkpoint)
     engine.eos_token_ids = tokenizer.eos_token_ids
-    info = {**asdict(cfg), "model_path": cfg.checkpoint or f"dummy:{cfg.model}", "tokenizer": tokenizer.name,
-            "vocab_size": engine.spec.vocab_size, "context_length": engine.spec.max_position_embeddings,
-            "tp_size": par.tp, "dp_size": par.dp, "ep_size": par.ep, "pid": os.getpid()}
+    info = {
+        **asdict(cfg),
+        "model_path": cfg.checkpoint or f"dummy:{cfg.model}",
+        "tokenizer": tokenizer.name,
+        "vocab_size": engine.spec.vocab_size,
+        "context_length": engine.spec.max_position_embeddings,
+        "tp_size": par.tp,
+        "dp_size": par.dp,
+        "ep_size": par.ep,
+        "pid": os.getpid(),
+    }
     sched.start()
     try:
-        server = uvicorn.Server(uvicorn.Config(build_app(ServerContext(scheduler=sched, tokenizer=tokenizer, par=par,
-                                                                       server_info=info)),
-                                               host=cfg.host, port=cfg.port, log_level=log_level,
-                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-        logger.info("serving %s (scale %s, tp %d dp %d ep %d, %s) on http://%s:%d", cfg.model, cfg.scale, par.tp,
-                    par.dp, par.ep, cfg.device, cfg.host, cfg.port)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(ServerContext(scheduler=sched, tokenizer=tokenizer, par=par, server_info=info)),
+                host=cfg.host,
+                port=cfg.port,
+                log_level=log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            )
+        )
+        logger.info(
+            "serving %s (scale %s, tp %d dp %d ep %d, %s) on http://%s:%d",
+            cfg.model,
+            cfg.scale,
+            par.tp,
+            par.dp,
+            par.ep,
+            cfg.device,
+            cfg.host,
+            cfg.port,
+        )
         server.run()
     finally:
         sched.stop()

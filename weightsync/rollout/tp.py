@@ -109,8 +109,14 @@ class EngineGroups:
                 attn_pg = pg
         # Its own group even on gloo engines: the long timeout must not apply to model collectives.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        return cls(par=par, rank=rank, coords=coords, tp=Group(world, par.tp, rank),
-                   attn_tp=Group(attn_pg, a, coords.attn_tp_rank), control=control)
+        return cls(
+            par=par,
+            rank=rank,
+            coords=coords,
+            tp=Group(world, par.tp, rank),
+            attn_tp=Group(attn_pg, a, coords.attn_tp_rank),
+            control=control,
+        )
 
     def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Make rank 0's sampled ``tokens`` everyone's (in place)."""
