@@ -87,7 +87,18 @@ def _is_expert(global_name: str) -> bool:
 @pytest.mark.parametrize("par", CONFIGS)
 def test_pieces_tile_global_tensors_per_replica_group(model, par):
     """Contract 1 (and 3 for global boxes): held on the right stages, tiled once per replica."""
-    spec = get_model(model, "tiny")
+    check_replica_tiling(get_model(model, "tiny"), par)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("par", CONFIGS)
+def test_local_tensors_tiled_once_except_vocab_padding(model, par):
+    """Contracts 2 and 3: local boxes tile the local tensor; only vocab padding rows are uncovered."""
+    check_local_tiling(get_model(model, "tiny"), par)
+
+
+def check_replica_tiling(spec, par) -> None:
+    """Contract 1 for one (spec, par); shared with the property tests."""
     gts = global_tensors(spec)
     layouts = _all_layouts(spec, par)
     coords = {r: train_coords(par, r) for r in layouts}
@@ -121,11 +132,8 @@ def test_pieces_tile_global_tensors_per_replica_group(model, par):
             assert torch.all(cnt == times), f"{key} {name}: coverage {cnt.unique().tolist()}, expected {times}"
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("par", CONFIGS)
-def test_local_tensors_tiled_once_except_vocab_padding(model, par):
-    """Contracts 2 and 3: local boxes tile the local tensor; only vocab padding rows are uncovered."""
-    spec = get_model(model, "tiny")
+def check_local_tiling(spec, par) -> None:
+    """Contracts 2 and 3 for one (spec, par); shared with the property tests."""
     gts = global_tensors(spec)
     for r, tensors in _all_layouts(spec, par).items():
         c = train_coords(par, r)
@@ -236,7 +244,11 @@ def _oracle(spec, par, rank, glob: dict[str, torch.Tensor], naming: str) -> dict
 @pytest.mark.parametrize("par", CONFIGS)
 def test_data_round_trip_matches_oracle(model, par, naming):
     """Contract 4: shard random globals through the pieces == oracle; reassembly == originals."""
-    spec = get_model(model, "tiny")
+    check_data_round_trip(get_model(model, "tiny"), par, naming)
+
+
+def check_data_round_trip(spec, par, naming="sequential") -> None:
+    """Contract 4 for one (spec, par); shared with the property tests."""
     gen = torch.Generator().manual_seed(0)
     glob = {n: torch.randn(g.shape, generator=gen) for n, g in global_tensors(spec).items() if g.quant_of is None}
     recon = {n: torch.full_like(t, float("nan")) for n, t in glob.items()}
