@@ -21,7 +21,8 @@ from weightsync.plan.inputs import PlanInputs
 from weightsync.plan.ops import CopyOp
 from weightsync.plan.p2p import plan_p2p, plan_p2p_for_rank
 from weightsync.plan.records import MODES, Plan
-from weightsync.plan.table import OpTable, ops_to_table
+from weightsync.plan.table import OpTable
+from weightsync.plan.util import paused_gc
 from weightsync.plan.verify import VerifyReport, verify_ops
 
 
@@ -45,9 +46,10 @@ def build_plan(inputs: PlanInputs, mode: str = "p2p", *, bucket_bytes: int = DEF
         ValueError: unknown mode, or layouts that cannot be planned (message names the tensor).
     """
     _check_mode(mode)
-    if mode == "p2p":
-        return plan_p2p(inputs)
-    return plan_broadcast(inputs, bucket_bytes=bucket_bytes)
+    with paused_gc():
+        if mode == "p2p":
+            return plan_p2p(inputs)
+        return plan_broadcast(inputs, bucket_bytes=bucket_bytes)
 
 
 def plan_for_rank(inputs: PlanInputs, mode: str = "p2p", *, src_rank: int | None = None,
@@ -68,13 +70,14 @@ def plan_for_rank(inputs: PlanInputs, mode: str = "p2p", *, src_rank: int | None
     _check_mode(mode)
     if (src_rank is None) == (dst_rank is None):
         raise ValueError("give exactly one of src_rank and dst_rank")
-    if mode == "p2p":
-        return plan_p2p_for_rank(inputs, src_rank=src_rank, dst_rank=dst_rank)
-    if dst_rank is not None:
-        return plan_broadcast(inputs, bucket_bytes=bucket_bytes, dst_rank=dst_rank)
-    whole = plan_broadcast(inputs, bucket_bytes=bucket_bytes)
+    with paused_gc():
+        if mode == "p2p":
+            return plan_p2p_for_rank(inputs, src_rank=src_rank, dst_rank=dst_rank)
+        if dst_rank is not None:
+            return plan_broadcast(inputs, bucket_bytes=bucket_bytes, dst_rank=dst_rank)
+        whole = plan_broadcast(inputs, bucket_bytes=bucket_bytes)
     sender = tuple(b if r == src_rank else 0 for r, b in enumerate(whole.sender_bytes))
-    return Plan(mode="broadcast", ops=tuple(op for op in whole.ops if op.src_rank == src_rank), sender_bytes=sender,
+    return Plan(mode="broadcast", table=whole.table.select(whole.table.src_rank == src_rank), sender_bytes=sender,
                 receiver_bytes=whole.receiver_bytes, src_rank=src_rank,
                 buckets=tuple(b for b in whole.buckets if b.src_rank == src_rank))
 
@@ -94,15 +97,16 @@ def verify_plan(plan: Plan, inputs: PlanInputs, table: OpTable | None = None) ->
         PlanVerificationError: naming each failed check and tensor.
     """
     if table is None:
-        table = ops_to_table(plan.ops, tuple(inputs.globals))
+        table = plan.table
     if plan.dst_rank is not None:
         coverage: Sequence[int] | None = [plan.dst_rank]
     elif plan.src_rank is not None:
         coverage = []
     else:
         coverage = None
-    return verify_ops(table, sources=plan_source_layouts(plan, inputs), engine_layouts=inputs.engine_layouts,
-                      num_engines=inputs.rollout.num_engines, globals_=inputs.globals, coverage_ranks=coverage)
+    with paused_gc():
+        return verify_ops(table, sources=plan_source_layouts(plan, inputs), engine_layouts=inputs.engine_layouts,
+                          num_engines=inputs.rollout.num_engines, globals_=inputs.globals, coverage_ranks=coverage)
 
 
 def dest_bytes(inputs: PlanInputs) -> int:
@@ -134,8 +138,8 @@ class PlanSummary:
 def summarize(plan: Plan, inputs: PlanInputs) -> PlanSummary:
     """Count ops and bytes of ``plan``."""
     return PlanSummary(
-        ops=len(plan.ops),
-        zero_copy_ops=sum(1 for op in plan.ops if op.zero_copy),
+        ops=plan.num_ops,
+        zero_copy_ops=int(plan.table.zero_copy.sum()),
         bytes_total=plan.bytes_total,
         dest_bytes=dest_bytes(inputs),
         max_sender_bytes=max(plan.sender_bytes, default=0),

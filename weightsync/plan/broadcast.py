@@ -19,10 +19,10 @@ from collections.abc import Callable
 from weightsync.layout.box import LocalTensor, Piece, box_volume, full_box
 from weightsync.models.hf import DTYPE_BYTES
 from weightsync.plan.inputs import PlanInputs
-from weightsync.plan.ops import CopyOp
-from weightsync.plan.p2p import engine_regions
+from weightsync.plan.p2p import HolderRule, assemble, expand
 from weightsync.plan.records import Bucket, Plan
-from weightsync.plan.regions import SourceIndex
+from weightsync.plan.region_table import NameTable, build_region_table
+from weightsync.plan.regions import Cutter, SourceIndex
 
 DEFAULT_BUCKET_BYTES = 1 << 30
 """The reference system's default ``BUCKET_SIZE_GB`` = 1."""
@@ -141,21 +141,20 @@ def plan_broadcast(inputs: PlanInputs, *, bucket_bytes: int = DEFAULT_BUCKET_BYT
     sources = SourceIndex(enumerate(gathered))
     buckets = _buckets(gathered, bucket_bytes)
     tp = inputs.rollout.tp
-    dst = range(inputs.num_dest) if dst_rank is None else [dst_rank]
-    local = sorted({d % tp for d in dst})
-    per_rank = {r: engine_regions(inputs, sources, r) for r in local}
-    ops: list[CopyOp] = []
+    dst = list(range(inputs.num_dest)) if dst_rank is None else [dst_rank]
+    names = NameTable(inputs.globals)
+    cutter = Cutter(sources, inputs.globals)
+    tables = {r: build_region_table(inputs.engine_layouts[r], r, cutter, names)
+              for r in sorted({d % tp for d in dst})}
+    rule = HolderRule(inputs, names.holders())
+    chunks = []
     for d in dst:
-        for _, regions in per_rank[d % tp]:
-            for reg in regions:
-                h = reg.holders[0]
-                sbox, zc = reg.source_box(0)
-                ops.append(CopyOp(reg.global_name, reg.global_box, h.rank, h.tensor.name, sbox, d, reg.dst_param,
-                                  reg.dst_box, reg.transform, zc))
+        chunks.extend(expand(tables[d % tp], rule, [d], None))
+    plan = assemble("broadcast", inputs, names, chunks)
     total = sum(b.nbytes for b in buckets)
     sender = [0] * inputs.train.world_size
     for b in buckets:
         sender[b.src_rank] += b.nbytes
-    receiver = [total if dst_rank is None or d == dst_rank else 0 for d in range(inputs.num_dest)]
-    return Plan(mode="broadcast", ops=tuple(ops), sender_bytes=tuple(sender), receiver_bytes=tuple(receiver),
+    receiver = tuple(total if d in dst else 0 for d in range(inputs.num_dest))
+    return Plan(mode="broadcast", table=plan.table, sender_bytes=tuple(sender), receiver_bytes=receiver,
                 dst_rank=dst_rank, buckets=buckets, gather_bytes=_gather_bytes(inputs, gathered))

@@ -23,6 +23,7 @@ from weightsync.layout.box import LocalTensor
 from weightsync.layout.parallel import Device, RolloutParallel, TrainParallel, default_placement
 from weightsync.models.hf import GlobalTensor, global_tensors
 from weightsync.models.spec import ModelSpec
+from weightsync.plan.util import paused_gc
 
 TrainerLayoutFn = Callable[[ModelSpec, TrainParallel, int], Sequence[LocalTensor]]
 EngineLayoutFn = Callable[[ModelSpec, RolloutParallel, int], Sequence[LocalTensor]]
@@ -106,12 +107,13 @@ def build_inputs(spec: ModelSpec, train: TrainParallel, rollout: RolloutParallel
     """
     if placement is None:
         placement = default_placement(train.world_size, rollout.world_size)
-    return PlanInputs(
-        spec=spec,
-        train=train,
-        rollout=rollout,
-        source_layouts=tuple(tuple(trainer_layout(spec, train, r)) for r in range(train.world_size)),
-        engine_layouts=tuple(tuple(engine_layout(spec, rollout, r)) for r in range(rollout.tp)),
-        train_devices=tuple(placement[0]),
-        rollout_devices=tuple(placement[1]),
-    )
+    with paused_gc():
+        return PlanInputs(
+            spec=spec,
+            train=train,
+            rollout=rollout,
+            source_layouts=tuple(tuple(trainer_layout(spec, train, r)) for r in range(train.world_size)),
+            engine_layouts=tuple(tuple(engine_layout(spec, rollout, r)) for r in range(rollout.tp)),
+            train_devices=tuple(placement[0]),
+            rollout_devices=tuple(placement[1]),
+        )

@@ -115,7 +115,7 @@ def merge_boxes(x: Box, y: Box) -> tuple[Box, int] | None:
         dim = d
     if dim < 0:
         return None
-    return x[:dim] + ((x[dim][0], y[dim][1]),) + x[dim + 1:], dim - len(x)
+    return (*x[:dim], (x[dim][0], y[dim][1]), *x[dim + 1:]), dim - len(x)
 
 
 def _try_merge(a: CopyOp, b: CopyOp) -> CopyOp | None:
@@ -175,7 +175,7 @@ def _coalesce_group(group: list[CopyOp]) -> list[CopyOp]:
         changed = False
         for d in range(ndim - 1, -1, -1):
             # sort so that candidates along dim d are neighbours
-            order = sorted(group, key=lambda o: tuple(o.dst_box[i] for i in range(ndim) if i != d) + (o.dst_box[d],))
+            order = sorted(group, key=lambda o: (*(o.dst_box[i] for i in range(ndim) if i != d), o.dst_box[d]))
             merged: list[CopyOp] = [order[0]]
             for op in order[1:]:
                 m = _try_merge(merged[-1], op)

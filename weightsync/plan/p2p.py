@@ -12,105 +12,121 @@ picks one holder of each region by a **deterministic local rule**:
 
 Replicas thus take turns across engines, ranks and tensors, which spreads bytes over senders
 and links and makes every replica send, and the rule needs nothing but the layouts: a rank
-computes its own ops (:func:`plan_for_rank`) without the whole plan, and gets exactly the
+computes its own ops (:func:`plan_p2p_for_rank`) without the whole plan, and gets exactly the
 whole plan's ops for that rank, in the same order.
+
+Regions are cut once per engine rank (:mod:`weightsync.plan.region_table`) and expanded to all
+engines with numpy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from weightsync.layout.box import LocalTensor
+import numpy as np
+
 from weightsync.plan.inputs import PlanInputs
-from weightsync.plan.ops import CopyOp, coalesce_ops
 from weightsync.plan.records import Plan
-from weightsync.plan.regions import Region, SourceIndex, dest_regions
-
-# Regions of one destination tensor of one engine rank, in layout order.
-TensorRegions = tuple[LocalTensor, list[Region]]
-
-
-def engine_regions(inputs: PlanInputs, sources: SourceIndex, rank: int,
-                   only: set[int] | None = None) -> list[TensorRegions]:
-    """The regions of every written tensor of engine rank ``rank`` (derived tensors skipped).
-
-    Args:
-        inputs: planner inputs.
-        sources: index of the source pieces.
-        rank: rank inside one engine.
-        only: when given, the indexes (in the rank's layout) of the tensors to cut.
-
-    Returns:
-        ``(tensor, regions)`` in layout order.
-    """
-    out: list[TensorRegions] = []
-    for i, t in enumerate(inputs.engine_layouts[rank]):
-        if t.derived or (only is not None and i not in only):
-            continue
-        regions: list[Region] = []
-        for p in t.pieces:
-            regions.extend(dest_regions(t, p, sources, inputs.globals))
-        if regions:
-            out.append((t, regions))
-    return out
+from weightsync.plan.region_table import HolderTable, NameTable, RegionTable, build_region_table
+from weightsync.plan.regions import Cutter, SourceIndex
+from weightsync.plan.table import OpTable
 
 
-class _Chooser:
-    """The holder rule of the module docstring, with placement tiers precomputed."""
+class HolderRule:
+    """The holder choice of the module docstring, vectorized over one region table."""
 
-    def __init__(self, inputs: PlanInputs) -> None:
-        self.ordinal = {name: i for i, name in enumerate(inputs.globals)}
-        self.train_dev = [(d.node, d.gpu) for d in inputs.train_devices]
-        self.roll_dev = [(d.node, d.gpu) for d in inputs.rollout_devices]
+    def __init__(self, inputs: PlanInputs, holders: HolderTable) -> None:
+        self.h = holders
+        train_node = np.array([d.node for d in inputs.train_devices], dtype=np.int64)
+        train_gpu = np.array([d.gpu for d in inputs.train_devices], dtype=np.int64)
+        self.h_node = train_node[holders.rank]
+        self.h_gpu = train_gpu[holders.rank]
+        self.roll = [(d.node, d.gpu) for d in inputs.rollout_devices]
         self.tp = inputs.rollout.tp
+        self._multi: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def choose(self, region: Region, d: int, j: int) -> int:
-        hs = region.holders
-        if len(hs) == 1:
-            return 0
-        node, gpu = self.roll_dev[d]
-        tiers = []
-        for h in hs:
-            hn, hg = self.train_dev[h.rank]
-            tiers.append(0 if (hn == node and hg == gpu) else 1 if hn == node else 2)
-        best = min(tiers)
-        cands = [i for i, t in enumerate(tiers) if t == best]
+    def _multi_rows(self, rt: RegionTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Regions with several holders: (their indexes, flat holder rows, region of each row, first row)."""
+        got = self._multi.get(id(rt))
+        if got is None:
+            multi = np.flatnonzero(rt.h_count > 1)
+            counts = rt.h_count[multi]
+            first = np.cumsum(counts) - counts
+            region_of = np.repeat(np.arange(len(multi)), counts)
+            flat = rt.h_start[multi][region_of] + (np.arange(int(counts.sum())) - first[region_of])
+            got = self._multi[id(rt)] = (multi, flat, region_of, first)
+        return got
+
+    def choose(self, rt: RegionTable, d: int) -> np.ndarray:
+        """Holder row chosen for each region of ``rt`` when the receiver is rollout rank ``d``."""
+        multi, flat, region_of, first = self._multi_rows(rt)
+        if len(multi) == 0:
+            return rt.h_start
         e, r = divmod(d, self.tp)
-        return cands[(self.ordinal[region.src_global] + e + r + j) % len(cands)]
+        node, gpu = self.roll[d]
+        same_node = self.h_node[flat] == node
+        tier = 2 - same_node.astype(np.int64) - (same_node & (self.h_gpu[flat] == gpu))
+        best = np.minimum.reduceat(tier, first)
+        is_cand = tier == best[region_of]
+        ncand = np.add.reduceat(is_cand.astype(np.int64), first)
+        k = (rt.src_ord[multi] + e + r + rt.j[multi]) % ncand
+        csum = np.cumsum(is_cand)
+        before = csum[first] - is_cand[first]  # candidates before each region's first row
+        pos = np.flatnonzero(is_cand & (csum - 1 - before[region_of] == k[region_of]))
+        assert len(pos) == len(multi)
+        chosen = rt.h_start.copy()
+        chosen[multi] = flat[pos]
+        return chosen
 
 
-def _assign(inputs: PlanInputs, chooser: _Chooser, per_rank: dict[int, list[TensorRegions]],
-            dst_ranks: Iterable[int], src_rank: int | None) -> Plan:
-    """Pick a holder for every region of every destination rank; build the ops and byte counts."""
-    sender = [0] * inputs.train.world_size
-    receiver = [0] * inputs.num_dest
-    ops: list[CopyOp] = []
-    shapes: dict[tuple[int, str], tuple[int, ...]] = {}
-
-    def src_shape(rank: int, name: str) -> tuple[int, ...]:
-        if not shapes:
-            shapes.update({(r, t.name): t.shape for r, ts in enumerate(inputs.source_layouts) for t in ts})
-        return shapes[(rank, name)]
-
-    tp = inputs.rollout.tp
+def expand(rt: RegionTable, rule: HolderRule, dst_ranks: Iterable[int], src_rank: int | None
+           ) -> list[dict[str, np.ndarray]]:
+    """Op columns for the regions of ``rt`` received by each of ``dst_ranks`` (one chunk per rank)."""
+    hs = rule.h
+    chunks = []
     for d in dst_ranks:
-        for _, regions in per_rank[d % tp]:
-            tensor_ops = []
-            for j, reg in enumerate(regions):
-                i = chooser.choose(reg, d, j)
-                h = reg.holders[i]
-                if src_rank is not None and h.rank != src_rank:
-                    continue
-                sbox, zc = reg.source_box(i)
-                tensor_ops.append(CopyOp(reg.global_name, reg.global_box, h.rank, h.tensor.name, sbox, d,
-                                         reg.dst_param, reg.dst_box, reg.transform, zc))
-                sender[h.rank] += reg.nbytes
-                receiver[d] += reg.nbytes
-            if len(tensor_ops) > 1:
-                tensor_ops = coalesce_ops(tensor_ops, src_shape)
-            ops.extend(tensor_ops)
-    return Plan(mode="p2p", ops=tuple(ops), sender_bytes=tuple(sender), receiver_bytes=tuple(receiver),
-                src_rank=src_rank)
+        h = rule.choose(rt, d)
+        if src_rank is None:
+            sel: slice | np.ndarray = slice(None)
+        else:
+            sel = np.flatnonzero(hs.rank[h] == src_rank)
+            h = h[sel]
+        chunks.append({
+            "gid": rt.gid[sel], "src_rank": hs.rank[h], "src_pid": hs.pid[h],
+            "dst_rank": np.full(len(h), d, dtype=np.int32), "dst_pid": rt.dst_pid[sel],
+            "transform": rt.transform[sel], "zero_copy": hs.zc[h],
+            "g_lo": rt.g_lo[sel], "g_hi": rt.g_hi[sel], "g_nd": rt.g_nd[sel],
+            "s_lo": hs.s_lo[h], "s_hi": hs.s_hi[h], "s_nd": hs.s_nd[h],
+            "d_lo": rt.d_lo[sel], "d_hi": rt.d_hi[sel], "d_nd": rt.d_nd[sel],
+            "nbytes": rt.nbytes[sel],
+        })
+    return chunks
+
+
+def assemble(mode: str, inputs: PlanInputs, names: NameTable, chunks: list[dict[str, np.ndarray]],
+             **plan_fields: object) -> Plan:
+    """Concatenate op chunks into a plan; per-rank bytes count the chunks' ops."""
+    cols = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]} if chunks else None
+    if cols is None or len(cols["gid"]) == 0:
+        cols = _empty_columns()
+    nbytes = cols.pop("nbytes")
+    sender = np.bincount(cols["src_rank"], weights=nbytes, minlength=inputs.train.world_size)
+    receiver = np.bincount(cols["dst_rank"], weights=nbytes, minlength=inputs.num_dest)
+    table = OpTable(global_names=tuple(names.globals), param_names=tuple(names.params), **cols)
+    fields = {"sender_bytes": tuple(int(x) for x in sender), "receiver_bytes": tuple(int(x) for x in receiver)}
+    fields.update(plan_fields)  # type: ignore[arg-type]
+    return Plan(mode=mode, table=table, **fields)  # type: ignore[arg-type]
+
+
+def _empty_columns() -> dict[str, np.ndarray]:
+    from weightsync.plan.table import MAX_DIMS
+
+    i32 = np.zeros(0, dtype=np.int32)
+    box = np.zeros((0, MAX_DIMS), dtype=np.int32)
+    i8 = np.zeros(0, dtype=np.int8)
+    return {"gid": i32, "src_rank": i32, "src_pid": i32, "dst_rank": i32, "dst_pid": i32, "transform": i8,
+            "zero_copy": np.zeros(0, dtype=bool), "g_lo": box, "g_hi": box, "g_nd": i8, "s_lo": box, "s_hi": box,
+            "s_nd": i8, "d_lo": box, "d_hi": box, "d_nd": i8, "nbytes": np.zeros(0, dtype=np.int64)}
 
 
 def plan_p2p(inputs: PlanInputs, sources: SourceIndex | None = None) -> Plan:
@@ -129,8 +145,16 @@ def plan_p2p(inputs: PlanInputs, sources: SourceIndex | None = None) -> Plan:
     """
     if sources is None:
         sources = SourceIndex(enumerate(inputs.source_layouts))
-    per_rank = {r: engine_regions(inputs, sources, r) for r in range(inputs.rollout.tp)}
-    return _assign(inputs, _Chooser(inputs), per_rank, range(inputs.num_dest), None)
+    names = NameTable(inputs.globals)
+    cutter = Cutter(sources, inputs.globals)
+    tables = [build_region_table(inputs.engine_layouts[r], r, cutter, names)
+              for r in range(inputs.rollout.tp)]
+    rule = HolderRule(inputs, names.holders())
+    tp = inputs.rollout.tp
+    chunks = []
+    for d in range(inputs.num_dest):
+        chunks.extend(expand(tables[d % tp], rule, [d], None))
+    return assemble("p2p", inputs, names, chunks)
 
 
 def plan_p2p_for_rank(inputs: PlanInputs, *, src_rank: int | None = None, dst_rank: int | None = None,
@@ -138,7 +162,7 @@ def plan_p2p_for_rank(inputs: PlanInputs, *, src_rank: int | None = None, dst_ra
     """One rank's share of :func:`plan_p2p`: the ops it sends (``src_rank``) or receives (``dst_rank``).
 
     Equal to filtering the whole plan's ops by that rank, in the same order, but it cuts only the
-    destination pieces that involve the rank.
+    destination tensors that involve the rank.
 
     Args:
         inputs: planner inputs.
@@ -153,21 +177,26 @@ def plan_p2p_for_rank(inputs: PlanInputs, *, src_rank: int | None = None, dst_ra
         raise ValueError("give exactly one of src_rank and dst_rank")
     if sources is None:
         sources = SourceIndex(enumerate(inputs.source_layouts))
-    chooser = _Chooser(inputs)
+    names = NameTable(inputs.globals)
+    cutter = Cutter(sources, inputs.globals)
     tp = inputs.rollout.tp
     if dst_rank is not None:
         if not 0 <= dst_rank < inputs.num_dest:
             raise ValueError(f"dst_rank {dst_rank} outside the {inputs.num_dest} rollout ranks")
-        per_rank = {dst_rank % tp: engine_regions(inputs, sources, dst_rank % tp)}
-        plan = _assign(inputs, chooser, per_rank, [dst_rank], None)
-        return Plan(mode="p2p", ops=plan.ops, sender_bytes=plan.sender_bytes, receiver_bytes=plan.receiver_bytes,
-                    dst_rank=dst_rank)
+        rt = build_region_table(inputs.engine_layouts[dst_rank % tp], dst_rank % tp, cutter, names)
+        rule = HolderRule(inputs, names.holders())
+        return assemble("p2p", inputs, names, expand(rt, rule, [dst_rank], None), dst_rank=dst_rank)
     assert src_rank is not None
     if not 0 <= src_rank < inputs.train.world_size:
         raise ValueError(f"src_rank {src_rank} outside the {inputs.train.world_size} trainer ranks")
     needed = _tensors_touching(inputs, src_rank)
-    per_rank = {r: engine_regions(inputs, sources, r, needed[r]) for r in range(tp)}
-    return _assign(inputs, chooser, per_rank, range(inputs.num_dest), src_rank)
+    tables = [build_region_table(inputs.engine_layouts[r], r, cutter, names, needed[r])
+              for r in range(tp)]
+    rule = HolderRule(inputs, names.holders())
+    chunks = []
+    for d in range(inputs.num_dest):
+        chunks.extend(expand(tables[d % tp], rule, [d], src_rank))
+    return assemble("p2p", inputs, names, chunks, src_rank=src_rank)
 
 
 def _tensors_touching(inputs: PlanInputs, src_rank: int) -> dict[int, set[int]]:

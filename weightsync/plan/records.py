@@ -13,9 +13,10 @@ Accounting (the same fields for ``p2p`` and ``broadcast``, so that the modes com
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from weightsync.plan.ops import CopyOp
+from weightsync.plan.table import OpTable
 
 MODES = ("p2p", "broadcast")
 
@@ -35,8 +36,8 @@ class Plan:
     """The ops of one transfer (or one rank's share of them) and their byte accounting."""
 
     mode: str
-    ops: tuple[CopyOp, ...]
-    """In execution order: by destination rank, then destination tensor order."""
+    table: OpTable
+    """The ops, columnar, in execution order: by destination rank, then destination layout order."""
     sender_bytes: tuple[int, ...]
     """Per trainer rank (the whole world, zeros for ranks outside a per-rank plan)."""
     receiver_bytes: tuple[int, ...]
@@ -48,10 +49,22 @@ class Plan:
     buckets: tuple[Bucket, ...] = ()
     """Broadcast only."""
     gather_bytes: int = 0
+    _ops: list[CopyOp] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"plan mode must be one of {MODES}, got {self.mode!r}")
+
+    @property
+    def ops(self) -> list[CopyOp]:
+        """The ops as records (built from :attr:`table` on first use; a million ops take seconds)."""
+        if not self._ops and len(self.table):
+            self._ops.extend(self.table.ops())
+        return self._ops
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.table)
 
     @property
     def bytes_total(self) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from weightsync.layout.box import Box, LocalTensor, Piece, box_intersect, box_volume
 from weightsync.models.hf import DTYPE_BYTES, GlobalTensor
-from weightsync.plan.ops import box_is_contiguous
+from weightsync.plan.ops import merge_boxes
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,6 @@ class Region:
     """
 
     __slots__ = (
-        "_src",
         "dst_box",
         "dst_param",
         "global_box",
@@ -65,17 +64,62 @@ class Region:
         self.holders = holders
         self.transform = transform
         self.nbytes = nbytes
-        self._src: list[tuple[Box, bool] | None] = [None] * len(holders)
 
-    def source_box(self, i: int) -> tuple[Box, bool]:
-        """``(local box, zero_copy)`` of this region in holder ``i``'s tensor (cached)."""
-        got = self._src[i]
-        if got is None:
-            h = self.holders[i]
-            box = h.piece.local_of(self.src_gbox)
-            got = (box, self.transform is None and box_is_contiguous(h.tensor.shape, box))
-            self._src[i] = got
-        return got
+    def source_box(self, i: int) -> Box:
+        """The local box of this region in holder ``i``'s tensor."""
+        return local_of(self.holders[i].piece, self.src_gbox)
+
+
+def local_of(piece: Piece, gbox: Box) -> Box:
+    """``piece.local_of(gbox)``, with a fast path for the common 1-D and 2-D cases."""
+    lb, pg = piece.local_box, piece.global_box
+    n = len(pg)
+    if n == 2:
+        (a0, z0), (a1, z1) = gbox
+        (g0, _), (g1, _) = pg
+        s0, s1 = lb[-2][0] - g0, lb[-1][0] - g1
+        tail: Box = ((a0 + s0, z0 + s0), (a1 + s1, z1 + s1))
+        return lb[:-2] + tail if len(lb) > 2 else tail
+    if n == 1 and len(lb) == 1:
+        s0 = lb[0][0] - pg[0][0]
+        return ((gbox[0][0] + s0, gbox[0][1] + s0),)
+    return piece.local_of(gbox)
+
+
+def normalize_pieces(t: LocalTensor) -> tuple[Piece, ...]:
+    """The pieces of ``t`` with pieces that continue each other merged.
+
+    Two pieces of the same global tensor merge when their global and local boxes are adjacent
+    along the same dim and equal elsewhere (one shift maps the union). Ops then come out as long
+    as both layouts allow, and an op may span what a layout listed as two pieces.
+    """
+    pieces = t.pieces
+    if len(pieces) < 2:
+        return pieces
+    by_name: dict[str, list[Piece]] = {}
+    for p in pieces:
+        by_name.setdefault(p.global_name, []).append(p)
+    if all(len(v) == 1 for v in by_name.values()):
+        return pieces
+    out: list[Piece] = []
+    for name, group in by_name.items():
+        changed = True
+        while changed and len(group) > 1:
+            changed = False
+            group.sort(key=lambda p: p.global_box)
+            merged = [group[0]]
+            for p in group[1:]:
+                q = merged[-1]
+                g = merge_boxes(q.global_box, p.global_box)
+                lo = merge_boxes(q.local_box, p.local_box) if g is not None else None
+                if g is not None and lo is not None and g[1] == lo[1]:
+                    merged[-1] = Piece(name, g[0], lo[0])
+                    changed = True
+                else:
+                    merged.append(p)
+            group = merged
+        out.extend(group)
+    return tuple(out)
 
 
 def _overlapping_pairs(boxes: list[Box]) -> bool:
@@ -97,7 +141,7 @@ def _refine(parts: dict[Box, list[Holder]]) -> list[tuple[Box, tuple[Holder, ...
     cuts = [sorted({c for b in boxes for c in b[d]}) for d in range(ndim)]
     cells: list[Box] = [()]
     for d in range(ndim):
-        cells = [c + ((lo, hi),) for c in cells for lo, hi in zip(cuts[d], cuts[d][1:], strict=False)]
+        cells = [(*c, (lo, hi)) for c in cells for lo, hi in zip(cuts[d], cuts[d][1:], strict=False)]
     out = []
     for cell in cells:
         holders = [h for b in boxes if box_intersect(b, cell) == cell for h in parts[b]]
@@ -120,7 +164,7 @@ class SourceIndex:
             for t in tensors:
                 if t.derived:
                     continue
-                for p in t.pieces:
+                for p in normalize_pieces(t):
                     self._raw.setdefault(p.global_name, {}).setdefault(p.global_box, []).append(Holder(rank, t, p))
         self._parts: dict[str, list[tuple[Box, tuple[Holder, ...]]]] = {}
 
@@ -147,8 +191,27 @@ class SourceIndex:
         return got
 
 
+def _inside(box: Box, shape: tuple[int, ...]) -> bool:
+    for (a, z), n in zip(box, shape):  # noqa: SIM110 (hot path)
+        if a < 0 or z > n or a >= z:
+            return False
+    return True
+
+
+def _contains(outer: Box, inner: Box) -> bool:
+    """``box_contains`` without a generator (hot path)."""
+    for (a0, a1), (b0, b1) in zip(outer, inner):  # noqa: SIM110
+        if b0 < a0 or a1 < b1:
+            return False
+    return True
+
+
 def scale_to_weight(sbox: Box, block: tuple[int, int], wshape: tuple[int, ...]) -> Box:
     """The weight region whose blocks the scale box ``sbox`` scales."""
+    if len(sbox) == 2:
+        (a0, z0), (a1, z1) = sbox
+        b0, b1 = block
+        return ((a0 * b0, min(z0 * b0, wshape[0])), (a1 * b1, min(z1 * b1, wshape[1])))
     return tuple((a * b, min(z * b, n)) for (a, z), b, n in zip(sbox, block, wshape, strict=True))
 
 
@@ -177,6 +240,88 @@ def transform_for(src_dtype: str, dst: LocalTensor, gt: GlobalTensor, is_scale: 
     return "cast"
 
 
+class Cutter:
+    """Cuts destination pieces into regions (:func:`dest_regions`), with caches: a piece of a
+    replicated tensor recurs on many engine ranks, and most pieces take the fast path (one source
+    box holds the whole piece)."""
+
+    def __init__(self, sources: SourceIndex, globals_: dict[str, GlobalTensor]) -> None:
+        self.sources = sources
+        self.globals = globals_
+        self._pieces: dict[tuple[str, str, Piece], list[Region]] = {}
+
+    def cut(self, dst: LocalTensor, piece: Piece) -> list[Region]:
+        """The regions of ``piece`` of ``dst`` (see :func:`dest_regions`)."""
+        key = (dst.name, dst.dtype, piece)
+        got = self._pieces.get(key)
+        if got is None:
+            got = self._pieces[key] = self._cut(dst, piece)
+        return got
+
+    def _cut(self, dst: LocalTensor, piece: Piece) -> list[Region]:
+        name = piece.global_name
+        gt = self.globals.get(name)
+        if gt is None:
+            raise ValueError(f"{dst.name}: piece of unknown global tensor {name}")
+        want = piece.global_box
+        if len(want) != len(gt.shape) or not _inside(want, gt.shape):
+            raise ValueError(f"{dst.name}: piece box {want} outside {name} of shape {gt.shape}")
+        is_scale = False
+        src_name = name
+        if name not in self.sources:
+            if gt.quant_of is None or gt.quant_of not in self.sources:
+                raise ValueError(f"no source rank holds {name} (needed by {dst.name})")
+            is_scale = True
+            src_name = gt.quant_of
+            assert gt.block is not None
+            want = scale_to_weight(want, gt.block, self.globals[src_name].shape)
+        parts = self.sources.partition(src_name)
+        transform = transform_for(parts[0][1][0].tensor.dtype, dst, gt, is_scale)
+        isz = DTYPE_BYTES[dst.dtype]
+        if len(parts) == 1 and _contains(parts[0][0], want):
+            # fast path: one source box holds the whole piece; a scale box maps to whole blocks
+            if transform == "fp8_quant":
+                self._check_blocks(want, gt, src_name, parts[0], dst)
+            return [Region(name, piece.global_box, dst.name, piece.local_box, src_name, want, parts[0][1], transform,
+                           box_volume(piece.global_box) * isz)]
+        return self._cut_parts(dst, piece, gt, src_name, want, parts, transform, is_scale)
+
+    def _check_blocks(self, inter: Box, gt: GlobalTensor, src_name: str, part: tuple[Box, tuple[Holder, ...]],
+                      dst: LocalTensor) -> None:
+        assert gt.block is not None
+        if not blocks_aligned(inter, gt.block, self.globals[src_name].shape):
+            h = part[1][0]
+            raise ValueError(
+                f"fp8 block alignment broken for {src_name}: region {inter} (source piece {part[0]} of "
+                f"{h.tensor.name} on trainer rank {h.rank}, destination {dst.name}) is not made of whole "
+                f"{list(gt.block)} blocks; choose parallel sizes whose shard boundaries fall on block boundaries"
+            )
+
+    def _cut_parts(self, dst: LocalTensor, piece: Piece, gt: GlobalTensor, src_name: str, want: Box,
+                   parts: list[tuple[Box, tuple[Holder, ...]]], transform: str | None, is_scale: bool
+                   ) -> list[Region]:
+        isz = DTYPE_BYTES[dst.dtype]
+        regions: list[Region] = []
+        covered = 0
+        need = box_volume(want)
+        for part in parts:
+            inter = box_intersect(part[0], want)
+            if inter is None:
+                continue
+            if transform in ("fp8_quant", "fp8_scale"):
+                self._check_blocks(inter, gt, src_name, part, dst)
+            gbox = weight_to_scale(inter, gt.block) if is_scale else inter  # type: ignore[arg-type]
+            regions.append(Region(gt.name, gbox, dst.name, local_of(piece, gbox), src_name, inter, part[1],
+                                  transform, box_volume(gbox) * isz))
+            covered += box_volume(inter)
+        if covered != need:
+            raise ValueError(
+                f"the source ranks hold only {covered} of the {need} elements of {src_name} box {want} "
+                f"that {dst.name} needs"
+            )
+        return regions
+
+
 def dest_regions(dst: LocalTensor, piece: Piece, sources: SourceIndex, globals_: dict[str, GlobalTensor]
                  ) -> list[Region]:
     """Cut one destination piece into regions, each covered by one source box.
@@ -194,47 +339,4 @@ def dest_regions(dst: LocalTensor, piece: Piece, sources: SourceIndex, globals_:
         ValueError: unknown global tensor, a box outside the tensor, no source for part of the
             piece, or fp8 regions that are not whole blocks of one source piece.
     """
-    name = piece.global_name
-    gt = globals_.get(name)
-    if gt is None:
-        raise ValueError(f"{dst.name}: piece of unknown global tensor {name}")
-    if any(a < 0 or z > n or a >= z for (a, z), n in zip(piece.global_box, gt.shape, strict=True)):
-        raise ValueError(f"{dst.name}: piece box {piece.global_box} outside {name} of shape {gt.shape}")
-    is_scale = False
-    src_name, want = name, piece.global_box
-    if name not in sources:
-        if gt.quant_of is None or gt.quant_of not in sources:
-            raise ValueError(f"no source rank holds {name} (needed by {dst.name})")
-        is_scale = True
-        src_name = gt.quant_of
-        assert gt.block is not None
-        want = scale_to_weight(want, gt.block, globals_[src_name].shape)
-    wshape = globals_[src_name].shape
-    isz = DTYPE_BYTES[dst.dtype]
-    regions: list[Region] = []
-    covered = 0
-    for box, holders in sources.partition(src_name):
-        inter = box_intersect(box, want)
-        if inter is None:
-            continue
-        transform = transform_for(holders[0].tensor.dtype, dst, gt, is_scale)
-        if transform in ("fp8_quant", "fp8_scale"):
-            block = gt.block
-            assert block is not None
-            if not blocks_aligned(inter, block, wshape):
-                h = holders[0]
-                raise ValueError(
-                    f"fp8 block alignment broken for {src_name}: region {inter} (source piece {box} of "
-                    f"{h.tensor.name} on trainer rank {h.rank}, destination {dst.name}) is not made of whole "
-                    f"{list(block)} blocks; choose parallel sizes whose shard boundaries fall on block boundaries"
-                )
-        gbox = weight_to_scale(inter, gt.block) if is_scale else inter  # type: ignore[arg-type]
-        regions.append(Region(name, gbox, dst.name, piece.local_of(gbox), src_name, inter, holders, transform,
-                              box_volume(gbox) * isz))
-        covered += box_volume(inter)
-    if covered != box_volume(want):
-        raise ValueError(
-            f"the source ranks hold only {covered} of the {box_volume(want)} elements of {src_name} box {want} "
-            f"that {dst.name} needs"
-        )
-    return regions
+    return Cutter(sources, globals_).cut(dst, piece)

@@ -18,7 +18,8 @@ import numpy as np
 from weightsync.layout.box import Box
 from weightsync.plan.ops import TRANSFORMS, CopyOp
 
-MAX_DIMS = 4
+MAX_DIMS = 3
+"""Boxes have at most this many dims (a 2-D global box in a 3-D stacked-expert tensor)."""
 
 
 def pad_box(box: Box, ndim: int = MAX_DIMS) -> tuple[int, ...]:
@@ -77,7 +78,31 @@ class OpTable:
         )
 
     def ops(self) -> list[CopyOp]:
-        return [self.op(i) for i in range(len(self))]
+        """All ops as records, in table order."""
+        gn, pn = self.global_names, self.param_names
+        cols = [a.tolist() for a in (self.gid, self.src_rank, self.src_pid, self.dst_rank, self.dst_pid,
+                                     self.transform, self.zero_copy, self.g_nd, self.s_nd, self.d_nd)]
+        boxes = [a.tolist() for a in (self.g_lo, self.g_hi, self.s_lo, self.s_hi, self.d_lo, self.d_hi)]
+        cache: dict[tuple, Box] = {}
+
+        def box(lo: list[int], hi: list[int], nd: int) -> Box:
+            key = (*lo, *hi, nd)
+            got = cache.get(key)
+            if got is None:
+                k = len(lo) - nd
+                got = cache[key] = tuple(zip(lo[k:], hi[k:], strict=True))
+            return got
+
+        out = []
+        for i, (g, sr, sp, dr, dp, tr, zc, gnd, snd, dnd) in enumerate(zip(*cols, strict=True)):
+            out.append(CopyOp(gn[g], box(boxes[0][i], boxes[1][i], gnd), sr, pn[sp], box(boxes[2][i], boxes[3][i], snd),
+                              dr, pn[dp], box(boxes[4][i], boxes[5][i], dnd), TRANSFORMS[tr], zc))
+        return out
+
+    def select(self, mask: np.ndarray) -> OpTable:
+        """The ops where ``mask`` holds (or at the given indexes), same name tables."""
+        return OpTable(global_names=self.global_names, param_names=self.param_names,
+                       **{k: getattr(self, k)[mask] for k in _ARRAY_FIELDS})
 
     def arrays(self) -> dict[str, np.ndarray]:
         """All array columns by name (the serialized form, with the two string tables)."""
@@ -129,7 +154,7 @@ def ops_to_table(ops: Sequence[CopyOp], global_names: Sequence[str] = ()) -> OpT
         bx.append(gb + sb + db)
     n = len(ints)
     ia = np.array(ints, dtype=np.int64).reshape(n, 10)
-    ba = np.array(bx, dtype=np.int64).reshape(n, 6 * MAX_DIMS)
+    ba = np.array(bx, dtype=np.int32).reshape(n, 6 * MAX_DIMS)
     D = MAX_DIMS
     return OpTable(
         global_names=tuple(gmap),

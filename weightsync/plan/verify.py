@@ -33,6 +33,7 @@ import numpy as np
 from weightsync.layout.box import LocalTensor
 from weightsync.models.hf import DTYPE_BYTES, GlobalTensor
 from weightsync.plan.ops import TRANSFORMS
+from weightsync.plan.regions import normalize_pieces
 from weightsync.plan.table import MAX_DIMS, OpTable, pad_box, unpad_box
 
 D = MAX_DIMS
@@ -114,16 +115,24 @@ def _params_and_pieces(layouts: Sequence[Sequence[LocalTensor]], names: _Names, 
                        ng: int) -> tuple[_Params, _Pieces]:
     prow: list[tuple[int, ...]] = []
     pc: list[tuple[int, ...]] = []
+    padded: dict[tuple, tuple[int, ...]] = {}
+    pids, gids = names.ids, gnames.ids
     for rank, tensors in enumerate(layouts):
         for t in tensors:
-            pkey = rank * np_ + names.ids[t.name]
+            pkey = rank * np_ + pids[t.name]
             shp = (1,) * (D - len(t.shape)) + t.shape
             prow.append((pkey, len(t.shape), DTYPES.index(t.dtype), t.derived, *shp))
             if t.derived:
                 continue
-            for p in t.pieces:
-                pc.append((pkey * ng + gnames.ids[p.global_name], pkey, len(p.global_box), *pad_box(p.global_box),
-                           *pad_box(p.local_box)))
+            for p in normalize_pieces(t):
+                g, lb = p.global_box, p.local_box
+                pg = padded.get(g)
+                if pg is None:
+                    pg = padded[g] = pad_box(g)
+                pl = padded.get(lb)
+                if pl is None:
+                    pl = padded[lb] = pad_box(lb)
+                pc.append((pkey * ng + gids[p.global_name], pkey, len(g), *pg, *pl))
     pa = np.array(prow, dtype=np.int64).reshape(len(prow), 4 + D)
     pa = pa[np.argsort(pa[:, 0], kind="stable")]
     params = _Params(key=pa[:, 0], nd=pa[:, 1], dtype=pa[:, 2], derived=pa[:, 3].astype(bool), shape=pa[:, 4:])
@@ -266,14 +275,15 @@ class _Verifier:
         self.problems: list[tuple[str, str]] = []
         self.pn = _Names(table.param_names)
         self.gn = _Names(table.global_names)
+        for name in globals_:
+            self.gn.id(name)
         for layouts in (sources, engine_layouts):
             for tensors in layouts:
                 for lt in tensors:
                     self.pn.id(lt.name)
                     for p in lt.pieces:
-                        self.gn.id(p.global_name)
-        for name in globals_:
-            self.gn.id(name)
+                        if p.global_name not in self.gn.ids:
+                            self.gn.id(p.global_name)
         self.NP, self.NG = len(self.pn.names), len(self.gn.names)
         self._global_info(globals_)
         self.dparams, self.dpieces = _params_and_pieces(engine_layouts, self.pn, self.gn, self.NP, self.NG)
