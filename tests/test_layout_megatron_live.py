@@ -244,6 +244,7 @@ def live_params() -> dict[tuple[str, int], dict]:
     return {(job_id, rank): params for (job, rank), params in got.items() for job_id in [list(LIVE)[job]]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("job_id", list(LIVE))
 def test_live_gpt_model_matches_layout(job_id, live_params):
@@ -268,6 +269,8 @@ def test_live_gpt_model_matches_layout(job_id, live_params):
                 assert group == 1, f"rank {rank} {name}: live param is TP-split, layout holds it whole"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("job_id", list(LIVE))
 def test_live_layers_and_experts_are_the_layout_globals(job_id, live_params):
     """Local layer i computes the global layer, and local expert k the global expert, whose HF
