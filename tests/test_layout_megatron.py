@@ -331,6 +331,8 @@ def test_stage_layers_refuses(layers, pp, last, match):
                      id="etp"),
         pytest.param("Kimi-K2", {"kv_lora_rank": 30}, _par(4, tp=4), "linear_kv_down_proj", id="mla-kv-down"),
         pytest.param("Qwen3-4B", {"intermediate_size": 130}, _par(4, tp=4), "intermediate_size=130", id="ffn"),
+        pytest.param("Qwen3-4B", {"num_attention_heads": 4, "num_kv_heads": 1, "head_dim": 5}, _par(4, tp=4),
+                     "linear_qkv rows=30 is not divisible by tp=4", id="qkv-rows"),
     ],
 )
 def test_config_refused_with_constraint(model, changes, par, match):

@@ -84,6 +84,8 @@ def trainer_layout(spec: ModelSpec, par: TrainParallel, rank: int, *, expert_nam
             a bad rank, or an unknown ``expert_naming``.
     """
     check_trainer_config(spec, par, expert_naming=expert_naming)
+    if vocab_divisible_by < 1:
+        raise ValueError(f"vocab_divisible_by must be >= 1, got {vocab_divisible_by}")
     c = train_coords(par, rank, order=order)
     stage = stage_layers(spec, par)[c.pp]
     first, last = c.pp == 0, c.pp == par.pp - 1
@@ -129,6 +131,7 @@ def _check(spec: ModelSpec, par: TrainParallel, expert_naming: str) -> None:
         ng = spec.num_kv_heads
         if ng % tp and tp % ng:
             raise ValueError(f"{name}: num_kv_heads (query groups)={ng} must be a multiple or a divisor of tp={tp}")
+        _divides((spec.num_attention_heads + 2 * ng) * spec.head_dim, tp, f"{name}: linear_qkv rows", "tp")
     if any(not spec.is_moe_layer(layer) for layer in range(spec.num_layers)):
         _divides(spec.intermediate_size, tp, f"{name}: intermediate_size", "tp")
     if spec.is_moe:
