@@ -2,7 +2,7 @@
 of the same HF weights computes, for every family: prompt logits (batched, right-padded),
 KV-cached greedy decoding (tokens and logprobs), prompt logprobs.
 
-The reference (tests/rollout_reference.py) shares no code with the engine: unfused HF weights,
+The reference (weightsync/rollout/reference.py) shares no code with the engine: unfused HF weights,
 one prompt at a time, no cache, naive MLA. Tolerances in tests/rollout_helpers.py.
 """
 
@@ -21,9 +21,10 @@ from tests.rollout_helpers import (
     tiny,
     write_tiny_checkpoint,
 )
-from tests.rollout_reference import Reference
 from weightsync.rollout.engine import Engine, GenRequest
+from weightsync.rollout.reference import Reference, reference_prompt_logprobs
 from weightsync.rollout.sampling import SamplingParams
+from weightsync.rollout.tokenizer import ByteTokenizer
 from weightsync.rollout.tp import EngineGroups
 
 
@@ -99,3 +100,22 @@ def test_seeded_sampling_is_reproducible_and_stops(loaded: tuple[Engine, Referen
     none = engine.generate([GenRequest(rid="z", input_ids=(1, 2), sampling=SamplingParams(max_new_tokens=0))])[0]
     assert none.output_ids == []
     assert none.finish_reason == {"type": "length", "length": 0}
+
+
+def test_reference_prompt_logprobs_match_engine(loaded: tuple[Engine, Reference]) -> None:
+    """The run's logprob-parity helper (text prompt, byte tokenizer) agrees with the engine."""
+    engine, ref = loaded
+    text = "What is 12 + 30?"
+    ids = ByteTokenizer(engine.spec.vocab_size).encode(text)
+    got = reference_prompt_logprobs(engine.spec, lambda n: ref.t[n], None, text)
+    req = GenRequest(
+        rid="p",
+        input_ids=tuple(ids),
+        sampling=SamplingParams(max_new_tokens=0),
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    res = engine.generate([req])[0]
+    assert got[0] is None
+    assert res.input_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(res.input_logprobs[1:]), atol=LOGPROB_ATOL, rtol=0)

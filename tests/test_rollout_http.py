@@ -171,7 +171,8 @@ def test_parallelism_and_transfer_info(client: TestClient) -> None:
     assert par["global_rank"] == 0
     info = client.get("/get_remote_instance_transfer_engine_info", params={"rank": 0}).json()
     session, weights = info["remote_instance_transfer_engine_info"]
-    assert session.startswith("torch://")
+    assert session.startswith("none://")
+    assert info["transport_descriptor"] is None
     ptr, numel, esize = weights["model.layers.0.mlp.experts.w13_weight"]
     spec = tiny(MODEL)
     assert numel == spec.num_experts * 2 * spec.moe_intermediate_size * spec.hidden_size
@@ -322,3 +323,16 @@ def test_broadcast_update_over_http(client: TestClient, ckpt: str, free_port: in
     assert _gen(client).json()["meta_info"]["weight_version"] == "step-1"
     assert client.post("/destroy_weights_update_group", json={"group_name": "g"}).json()["success"]
     pool.shutdown()
+
+
+def test_weights_checker_rank_view(client: TestClient) -> None:
+    """``rank`` narrows the answer to one rank and lifts its fields to the top level; compare
+    always carries ``equal`` and the rank-tagged ``mismatches``."""
+    one = client.post("/weights_checker", json={"action": "checksum", "rank": 0}).json()
+    assert [r["rank"] for r in one["ranks"]] == [0]
+    assert "model.layers.0.mlp.experts.w13_weight" in one["checksums"]
+    assert client.post("/weights_checker", json={"action": "snapshot"}).status_code == 200
+    same = client.post("/weights_checker", json={"action": "compare", "rank": 0}).json()
+    assert same["equal"]
+    assert same["mismatches"] == []
+    assert client.post("/weights_checker", json={"action": "checksum", "rank": 1}).status_code == 400

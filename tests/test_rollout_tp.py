@@ -29,10 +29,10 @@ from tests.rollout_helpers import (
     tiny,
     write_tiny_checkpoint,
 )
-from tests.rollout_reference import Reference
 from weightsync.layout.parallel import RolloutParallel
 from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.rollout.broadcast import new_weight_update_group
+from weightsync.rollout.reference import Reference
 
 CONFIGS: list[tuple[str, RolloutParallel]] = (
     [(m, RolloutParallel(tp=2)) for m in FAMILY_MODELS]

@@ -1,4 +1,4 @@
-"""Bringing up one engine rank: process group, groups, parameter arena, engine, weights.
+"""Bringing up one engine rank: process group, groups, transport and parameters, engine, weights.
 
 Used by :mod:`weightsync.rollout.serve` for rank 0 (this process) and the spawned ranks. Loading
 ends with a startup agreement over the control group: if any rank failed to load, every rank
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import TYPE_CHECKING
+import socket
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,6 @@ from weightsync.layout.sglang import check_engine_parallel
 from weightsync.models import get_model
 from weightsync.models.spec import ModelSpec
 from weightsync.rollout.engine import Engine
-from weightsync.rollout.params import get_arena_factory
 from weightsync.rollout.tp import EngineGroups
 
 if TYPE_CHECKING:
@@ -42,6 +42,14 @@ def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
     if cfg.device == "cuda" and torch.cuda.device_count() < par.tp:
         raise ValueError(f"tp={par.tp} needs {par.tp} CUDA devices, found {torch.cuda.device_count()}")
     return spec, par
+
+
+def transport_options(cfg: ServeConfig) -> dict[str, Any]:
+    """Constructor options of the engine's p2p transport (only mooncake takes any from the CLI)."""
+    if cfg.transport != "mooncake":
+        return {}
+    host = cfg.host if cfg.host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
+    return {"protocol": cfg.mooncake_protocol, "device": cfg.mooncake_device, "hostname": host}
 
 
 def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: int, port: int) -> Engine:
@@ -69,9 +77,15 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
         groups = EngineGroups.build(par, rank)
     else:
         groups = EngineGroups.single(par)
-    arena = get_arena_factory(cfg.arena)(device, rank)
     dtype = getattr(torch, cfg.compute_dtype) if cfg.compute_dtype else None
-    engine = Engine.build(spec, groups, device=device, compute_dtype=dtype, arena=arena)
+    engine = Engine.build(
+        spec,
+        groups,
+        device=device,
+        compute_dtype=dtype,
+        transport=cfg.transport,
+        transport_options=transport_options(cfg),
+    )
     error: BaseException | None = None
     try:
         stats = engine.load_checkpoint(cfg.checkpoint) if cfg.checkpoint else engine.load_dummy(cfg.seed)

@@ -38,7 +38,7 @@ class Op(enum.StrEnum):
     LOAD_CHECKPOINT = "load_checkpoint"  # path -> LoadStats
     LOAD_DUMMY = "load_dummy"  # seed -> LoadStats
     POST_LOAD = "post_load"  # -> seconds
-    TRANSFER_INFO = "transfer_info"  # -> (session_id, {name: [ptr, numel, elem_size]})
+    TRANSFER_INFO = "transfer_info"  # -> (session_id, {name: [ptr, numel, elem_size]}, descriptor | None)
     CHECK_WEIGHTS = "check_weights"  # action, seed -> dict
     INIT_GROUP = "init_group"  # master_address, master_port, rank_offset, world_size, group_name, backend
     UPDATE_FROM_DISTRIBUTED = "update_from_distributed"  # names, dtypes, shapes, group_name -> dict
@@ -99,11 +99,11 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
             case Op.CHECK_WEIGHTS:
                 value = _check(engine, a["action"], a.get("seed", 0))
             case Op.INIT_GROUP:
-                value = engine.receiver.init_group(**a)
+                value = engine.broadcast.init_group(**a)
             case Op.UPDATE_FROM_DISTRIBUTED:
-                value = engine.receiver.receive(**a)
+                value = engine.broadcast.receive(**a)
             case Op.DESTROY_GROUP:
-                value = engine.receiver.destroy_group(a["group_name"])
+                value = engine.broadcast.destroy_group(a["group_name"])
             case Op.SHUTDOWN:
                 value = None
     except Exception as exc:  # shipped to rank 0 with its traceback and re-raised there as RankError

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,7 +31,8 @@ from weightsync.rollout.broadcast import BroadcastReceiver
 from weightsync.rollout.checker import WeightChecker
 from weightsync.rollout.loader import LoadStats, load_checkpoint, load_dummy, run_post_load
 from weightsync.rollout.model import Model
-from weightsync.rollout.params import ParamArena, ParamStore
+from weightsync.rollout.params import ParamStore
+from weightsync.rollout.receiver import Receiver
 from weightsync.rollout.sampling import SamplingParams, prompt_logprobs, sample_tokens
 from weightsync.rollout.tp import EngineGroups
 
@@ -70,6 +72,7 @@ class Engine:
         groups: EngineGroups,
         compute_dtype: torch.dtype,
         eos_token_ids: tuple[int, ...] = (),
+        p2p: Receiver | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
@@ -77,7 +80,8 @@ class Engine:
         self.rank = groups.rank
         self.model = Model(spec, store, groups, compute_dtype)
         self.checker = WeightChecker(store)
-        self.receiver = BroadcastReceiver(store, spec, groups.rank)
+        self.broadcast = BroadcastReceiver(store, spec, groups.rank)
+        self.p2p = p2p if p2p is not None else Receiver("none", None, None, groups.rank)
         self.eos_token_ids = eos_token_ids
         self._seed_gen = torch.Generator().manual_seed(1234 + groups.rank)
 
@@ -89,7 +93,8 @@ class Engine:
         *,
         device: torch.device,
         compute_dtype: torch.dtype | None = None,
-        arena: ParamArena | None = None,
+        transport: str = "none",
+        transport_options: dict[str, Any] | None = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> Engine:
         """Allocate the rank's parameters (zeros) in the sglang layout and build the model.
@@ -99,15 +104,17 @@ class Engine:
             groups: this rank's groups (``groups.par`` is the engine's parallel config).
             device: parameter and compute device.
             compute_dtype: activation dtype (default: float32 on CPU, the spec's dtype on CUDA).
-            arena: parameter memory provider (default: a plain torch allocation).
+            transport: the p2p transport the parameters are registered with
+                (:data:`weightsync.rollout.receiver.RECEIVER_TRANSPORTS`; ``none``: a plain allocation).
+            transport_options: the transport's constructor options.
             eos_token_ids: tokens that end a request unless it sets ``ignore_eos``.
         """
         layout = engine_layout(spec, groups.par, groups.rank)
-        store = ParamStore(layout, device, arena)
+        p2p, store = Receiver.open(transport, layout, device=device, rank=groups.rank, options=transport_options)
         if compute_dtype is None:
             compute_dtype = torch.float32 if device.type == "cpu" else getattr(torch, spec.dtype)
         logger.info("[rank%d] allocated %d parameters, %.1f MB", groups.rank, len(layout), store.nbytes / 1e6)
-        return cls(spec, store, groups, compute_dtype, eos_token_ids)
+        return cls(spec, store, groups, compute_dtype, eos_token_ids, p2p)
 
     # ------------------------------------------------------------------ weights
 
@@ -121,13 +128,14 @@ class Engine:
         """Recompute derived tensors; seconds."""
         return run_post_load(self.store, self.spec)
 
-    def transfer_info(self) -> tuple[str, dict[str, list[int]]]:
-        """``(session id, {name: [ptr, numel, element_size]})`` of this rank's parameters."""
-        return self.store.arena.session_id, self.store.transfer_info()
+    def transfer_info(self) -> tuple[str, dict[str, list[int]], dict[str, Any] | None]:
+        """``(session id, {name: [ptr, numel, element_size]}, transport descriptor or None)``."""
+        return self.p2p.session_id, self.store.transfer_info(), self.p2p.descriptor()
 
     def close(self) -> None:
-        self.receiver.close()
+        self.broadcast.close()
         self.store.close()
+        self.p2p.close()
 
     # ------------------------------------------------------------------ forward
 

@@ -115,6 +115,27 @@ def parallelism_config(par: RolloutParallel, rank: int) -> dict[str, int]:
     }
 
 
+def checker_response(action: str, per_rank: list[dict[str, Any]], rank: int | None) -> JSONResponse:
+    """The ``/weights_checker`` answer: every rank's result under ``ranks`` (only ``rank``'s when
+    given, its fields also at the top level); compare adds ``equal`` and every mismatch (rank-tagged)
+    and answers 400 when anything differs."""
+    ranks = [{"rank": r, **v} for r, v in enumerate(per_rank) if rank is None or r == rank]
+    out: dict[str, Any] = {"success": True, "message": f"{action} done on {len(ranks)} ranks", "ranks": ranks}
+    if rank is not None:
+        out.update({k: v for k, v in ranks[0].items() if k != "rank"})
+    if action != "compare":
+        return JSONResponse(out)
+    mismatches = [{"rank": r["rank"], **m} for r in ranks for m in r["mismatches"]]
+    bad = [f"[rank{m['rank']}] {m['name']} max_abs_diff={m['max_abs_diff']}" for m in mismatches]
+    out.update(
+        success=not bad,
+        equal=not bad,
+        mismatches=mismatches,
+        message="All weights equal." if not bad else f"{len(bad)} tensors differ: " + "; ".join(bad),
+    )
+    return JSONResponse(out, status_code=200 if not bad else 400)
+
+
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI app serving one engine (see the module docstring)."""
     app = FastAPI(title="weightsync rollout engine")
@@ -165,8 +186,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/get_remote_instance_transfer_engine_info")
     async def transfer_info(rank: int = 0) -> dict[str, Any]:
         _check_rank(ctx.par, rank)
-        session_id, weights = sched.transfer_infos[rank]
-        return {"rank": rank, "remote_instance_transfer_engine_info": [session_id, weights]}
+        session_id, weights, descriptor = sched.transfer_infos[rank]
+        return {
+            "rank": rank,
+            "remote_instance_transfer_engine_info": [session_id, weights],
+            "transport_descriptor": descriptor,
+        }
 
     @app.post("/generate")
     async def generate(body: GenerateReqInput) -> Any:
@@ -242,16 +267,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/weights_checker")
     async def weights_checker(body: CheckWeightsReqInput) -> JSONResponse:
+        if body.rank is not None:
+            _check_rank(ctx.par, body.rank)
         per_rank = await asyncio.to_thread(sched.check_weights, body.action, body.seed)
-        ranks = [{"rank": r, **v} for r, v in enumerate(per_rank)]
-        if body.action != "compare":
-            return JSONResponse(
-                {"success": True, "message": f"{body.action} done on {len(ranks)} ranks", "ranks": ranks}
-            )
-        bad = [
-            f"[rank{r['rank']}] {m['name']} max_abs_diff={m['max_abs_diff']}" for r in ranks for m in r["mismatches"]
-        ]
-        msg = "All weights equal." if not bad else f"{len(bad)} tensors differ: " + "; ".join(bad)
-        return JSONResponse({"success": not bad, "message": msg, "ranks": ranks}, status_code=200 if not bad else 400)
+        return checker_response(body.action, per_rank, body.rank)
 
     return app

@@ -96,6 +96,10 @@ class CheckWeightsReqInput(_Body):
 
     action: Literal["snapshot", "reset_tensors", "compare", "checksum"]
     seed: int = 0
+    """Seed of ``reset_tensors``' random values."""
+    rank: int | None = None
+    """Answer with this rank's result only (its fields also at the top level); the action runs on
+    every rank regardless."""
     allow_quant_error: bool = False
     selector: str | None = None
 

@@ -1,30 +1,25 @@
-"""The receiver's parameter memory: every parameter of one engine rank, in one arena, allocated once.
+"""The receiver's parameter memory: every parameter of one engine rank, in one block, allocated once.
 
 The engine's parameters are the local tensors of :func:`weightsync.layout.sglang.engine_layout`
-(names, shapes, dtypes, pieces). :class:`ParamStore` carves them out of a single byte buffer
-obtained from a :class:`ParamArena`, zero-filled (so vocab padding rows stay zero forever), and
-never reallocates them: their addresses are published to senders through
-``/get_remote_instance_transfer_engine_info`` as ``{name: [ptr, numel, element_size]}`` together
-with the arena's transport session id, and senders write into them directly.
+(names, shapes, dtypes, pieces). :class:`ParamStore` carves them out of a single byte block,
+zero-filled (so vocab padding rows stay zero forever), and never reallocates them: their
+addresses are published to senders through ``/get_remote_instance_transfer_engine_info`` as
+``{name: [ptr, numel, element_size]}``, and senders write into them directly.
 
-The arena is pluggable: :class:`TorchArena` (a plain torch allocation, the default) or any
-object with the :class:`ParamArena` methods (e.g. a shared-memory arena for same-host CPU
-writers, or a CUDA-IPC-exported one for same-host GPU writers), chosen by name through
-:data:`ARENAS`.
+The block comes from a transport's arena (:meth:`weightsync.transport.base.Transport.new_arena`:
+a shared-memory segment for ``shm``, device memory for ``cuda_ipc``, ...) when the engine
+receives p2p writes (:mod:`weightsync.rollout.receiver`), or from a plain torch allocation.
 
 Typical usage::
 
     store = ParamStore(engine_layout(spec, par, rank), device=torch.device("cpu"))
-    w = store["model.layers.0.self_attn.qkv_proj.weight"]   # a view into the arena
+    w = store["model.layers.0.self_attn.qkv_proj.weight"]   # a view into the block
     info = store.transfer_info()                              # {name: [ptr, numel, elem_size]}
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -35,69 +30,10 @@ ALIGN_BYTES = 256
 """Every parameter starts at a multiple of this (CUDA allocation granularity; RDMA-friendly)."""
 
 
-class ParamArena(Protocol):
-    """Memory for all parameters of one engine rank; registered with its transport once.
+class ArenaLike(Protocol):
+    """What :class:`ParamStore` needs of an arena (:class:`weightsync.transport.base.Arena` fits)."""
 
-    Lifecycle: the engine calls :meth:`allocate` exactly once at start, publishes
-    :attr:`session_id` with the parameter addresses, and calls :meth:`close` at shutdown.
-    """
-
-    @property
-    def session_id(self) -> str:
-        """How a sender reaches this memory (transport-specific; published as is)."""
-        ...
-
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        """A zero-filled 1-D uint8 tensor of ``nbytes`` bytes on the engine's device."""
-        ...
-
-    def close(self) -> None:
-        """Release the memory and any registration (the parameters die with it)."""
-        ...
-
-
-class TorchArena:
-    """A plain torch allocation: usable by in-process and two-sided (broadcast) writers only."""
-
-    def __init__(self, device: torch.device, rank: int = 0) -> None:
-        self.device = device
-        self._session = f"torch://{socket.gethostname()}/{os.getpid()}/{device}/rank{rank}"
-        self._buf: torch.Tensor | None = None
-
-    @property
-    def session_id(self) -> str:
-        return self._session
-
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        if self._buf is not None:
-            raise RuntimeError("TorchArena.allocate called twice: parameters are allocated once")
-        self._buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        return self._buf
-
-    def close(self) -> None:
-        self._buf = None
-
-
-ArenaFactory = Callable[[torch.device, int], ParamArena]
-"""Builds the arena of one engine rank from ``(device, rank)``."""
-
-ARENAS: dict[str, str] = {
-    "torch": "weightsync.rollout.params:TorchArena",
-}
-"""Arena name -> ``module:attribute`` of its factory (imported lazily: transports are optional)."""
-
-
-def get_arena_factory(name: str) -> ArenaFactory:
-    """The factory registered as ``name`` in :data:`ARENAS`.
-
-    Raises:
-        ValueError: unknown name (the message lists the known ones).
-    """
-    target = ARENAS.get(name)
-    if target is None:
-        raise ValueError(f"unknown parameter arena {name!r}; known: {', '.join(ARENAS)}")
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -110,37 +46,35 @@ def _torch_dtype(name: str) -> torch.dtype:
 class ParamStore:
     """All parameters of one engine rank, as views into one arena (see the module docstring)."""
 
-    def __init__(self, layout: list[LocalTensor], device: torch.device, arena: ParamArena | None = None) -> None:
-        """Allocate every tensor of ``layout`` once.
+    def __init__(self, layout: list[LocalTensor], device: torch.device, arena: ArenaLike | None = None) -> None:
+        """Allocate every tensor of ``layout`` once, zero-filled.
 
         Args:
             layout: the rank's local tensors (names unique).
             device: where the parameters live.
-            arena: the memory provider; a :class:`TorchArena` on ``device`` when None.
+            arena: where the block comes from (at least :meth:`required_bytes` free); a plain
+                torch allocation on ``device`` when None.
 
         Raises:
-            ValueError: duplicate names or unknown dtypes in ``layout``.
+            ValueError: duplicate names or unknown dtypes in ``layout``, or an arena block on
+                another device.
         """
         names = [t.name for t in layout]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"engine layout lists parameters twice: {dup}")
         self.device = device
-        self.arena: ParamArena = arena if arena is not None else TorchArena(device)
+        self.layout = list(layout)
         self.meta: dict[str, LocalTensor] = {t.name: t for t in layout}
-        offsets: dict[str, int] = {}
-        size = 0
-        for t in layout:
-            offsets[t.name] = size
-            nbytes = t.numel * _torch_dtype(t.dtype).itemsize
-            size += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-        self.nbytes = size
-        self._buf = self.arena.allocate(max(size, 1))
-        if self._buf.dtype != torch.uint8 or self._buf.numel() < size or self._buf.device.type != device.type:
-            raise ValueError(
-                f"arena returned {self._buf.dtype} x {self._buf.numel()} on {self._buf.device}; "
-                f"need uint8 x {size} on {device}"
-            )
+        offsets = _offsets(layout)
+        self.nbytes = self.required_bytes(layout)
+        if arena is None:
+            self._buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        else:
+            self._buf = arena.empty((self.nbytes,), torch.uint8)
+            if self._buf.device.type != device.type:
+                raise ValueError(f"arena memory is on {self._buf.device}, the parameters belong on {device}")
+            self._buf.zero_()
         self._tensors: dict[str, torch.Tensor] = {}
         for t in layout:
             dtype = _torch_dtype(t.dtype)
@@ -182,7 +116,23 @@ class ParamStore:
         """``{name: [data_ptr, numel, element_size]}`` of every parameter (addresses never change)."""
         return {n: [t.data_ptr(), t.numel(), t.element_size()] for n, t in self._tensors.items()}
 
+    @staticmethod
+    def required_bytes(layout: list[LocalTensor]) -> int:
+        """Size of the block that holds ``layout`` (every tensor ``ALIGN_BYTES``-aligned)."""
+        size = 0
+        for t in layout:
+            size = -(-size // ALIGN_BYTES) * ALIGN_BYTES + t.numel * _torch_dtype(t.dtype).itemsize
+        return max(size, 1)
+
     def close(self) -> None:
-        """Drop the views and release the arena."""
+        """Drop the views (the arena, if any, is its owner's to close)."""
         self._tensors.clear()
-        self.arena.close()
+
+
+def _offsets(layout: list[LocalTensor]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    size = 0
+    for t in layout:
+        out[t.name] = -(-size // ALIGN_BYTES) * ALIGN_BYTES
+        size = out[t.name] + t.numel * _torch_dtype(t.dtype).itemsize
+    return out

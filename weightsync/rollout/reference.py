@@ -1,6 +1,7 @@
-"""A plain single-process reference forward over the global HF tensors, for the engine tests.
+"""A plain single-process reference forward over the global HF tensors: the yardstick of the
+engine's tests and of the logprob-parity gate of a run (``reference_prompt_logprobs``).
 
-Deliberately written the long way, without the engine's code: unfused HF weights
+Deliberately written the long way, sharing no code with the engine's forward: unfused HF weights
 (``q_proj``/``k_proj``/``v_proj``, per-expert ``gate_proj``/``up_proj``/``down_proj``,
 ``kv_b_proj`` applied as in HF DeepseekV3 instead of the absorbed ``w_kc``/``w_vc``), one
 prompt at a time, no KV cache, float32 math. fp8 models read the bf16 checkpoint weights
@@ -13,10 +14,13 @@ engine documents in ``weightsync/rollout/layers.py`` and ``weightsync/rollout/at
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from weightsync.models.hf import global_tensors
 from weightsync.models.spec import ModelSpec
 
 
@@ -182,3 +186,29 @@ class Reference:
         if s.num_shared_experts:
             out = out + self._ffn(m + "shared_experts.", h)
         return out
+
+
+def reference_prompt_logprobs(
+    spec: ModelSpec, read: Callable[[str], torch.Tensor], hf_dir: str | Path | None, prompt: str
+) -> list[float | None]:
+    """Logprob of each token of ``prompt`` given the ones before it, by the reference forward.
+
+    The prompt is tokenized as the engine tokenizes it when started with ``--checkpoint hf_dir``
+    (:func:`weightsync.rollout.tokenizer.load_tokenizer`), so the values line up with the
+    engine's ``input_token_logprobs`` for ``logprob_start_len=0``.
+
+    Args:
+        spec: the model.
+        read: global tensor name -> the full tensor (e.g. the trainer's weights at a step).
+        hf_dir: the checkpoint directory the engine tokenizes with (None: byte tokenizer).
+        prompt: text.
+
+    Returns:
+        ``[None, logprob of token 1, ...]``.
+    """
+    from weightsync.rollout.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(spec.vocab_size, str(hf_dir) if hf_dir is not None else None).encode(prompt)
+    tensors = {name: read(name) for name, gt in global_tensors(spec).items() if gt.quant_of is None}
+    logp = torch.log_softmax(Reference(spec, tensors).logits(ids), dim=-1)
+    return [None, *(float(logp[k, ids[k + 1]]) for k in range(len(ids) - 1))]

@@ -53,8 +53,13 @@ class ServeConfig:
     """``auto`` (the checkpoint) or ``dummy`` (the seeded synthetic weights of the model)."""
     seed: int = 0
     """Seed of the dummy weights."""
-    arena: str = "torch"
-    """Parameter memory provider (:data:`weightsync.rollout.params.ARENAS`)."""
+    transport: str = "none"
+    """p2p transport the parameters are registered with (``none``, ``shm``, ``cuda_ipc``,
+    ``mooncake``); ``none`` leaves the broadcast path only."""
+    mooncake_protocol: str = "tcp"
+    """Mooncake protocol when ``transport="mooncake"`` (``tcp``, ``rdma``)."""
+    mooncake_device: str = ""
+    """RDMA device(s) for mooncake ``rdma`` (e.g. ``mlx5_0``)."""
     max_batch_size: int = 32
     weight_version: str = "default"
     dist_port: int | None = None
@@ -98,7 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dummy: seeded synthetic weights instead of a checkpoint",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
-    parser.add_argument("--arena", default="torch", help="parameter memory provider (default: torch)")
+    parser.add_argument(
+        "--transport",
+        default="none",
+        choices=("none", "shm", "cuda_ipc", "mooncake"),
+        help="p2p transport the parameters are registered with (default: none = broadcast only)",
+    )
+    parser.add_argument("--mooncake-protocol", default="tcp", help="with --transport mooncake: tcp | rdma")
+    parser.add_argument("--mooncake-device", default="", help="with --transport mooncake rdma: e.g. mlx5_0")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--dist-port", type=int, default=None, help="process-group rendezvous port (default: free)")
@@ -121,7 +133,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         checkpoint=args.checkpoint,
         load_format=load_format,
         seed=args.seed,
-        arena=args.arena,
+        transport=args.transport,
+        mooncake_protocol=args.mooncake_protocol,
+        mooncake_device=args.mooncake_device,
         max_batch_size=args.max_batch_size,
         weight_version=args.weight_version,
         dist_port=args.dist_port,
