@@ -35,17 +35,16 @@ def megatron_stage(inputs: PlanInputs) -> Callable[[int], int]:
 
 
 def wire_dtypes(inputs: PlanInputs) -> dict[str, str]:
-    """Global tensor -> the dtype the rollout stores it in (what the broadcast carries)."""
-    out: dict[str, str] = {}
+    """Global tensor -> the dtype the broadcast carries it in: the rollout's storage dtype, or the
+    global tensor's own dtype when rollout ranks store it in several (they convert on receipt)."""
+    seen: dict[str, set[str]] = {}
     for tensors in inputs.engine_layouts:
         for t in tensors:
             if t.derived:
                 continue
             for p in t.pieces:
-                prev = out.setdefault(p.global_name, t.dtype)
-                if prev != t.dtype:
-                    raise ValueError(f"rollout ranks store {p.global_name} as both {prev} and {t.dtype}")
-    return out
+                seen.setdefault(p.global_name, set()).add(t.dtype)
+    return {name: next(iter(d)) if len(d) == 1 else inputs.globals[name].dtype for name, d in seen.items()}
 
 
 def stage_sources(inputs: PlanInputs, stage_of: Callable[[int], int] | None = None) -> dict[str, int]:

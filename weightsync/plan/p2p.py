@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from weightsync.plan.inputs import PlanInputs
+from weightsync.plan.ops import TRANSFORMS
 from weightsync.plan.records import Plan
 from weightsync.plan.region_table import HolderTable, NameTable, RegionTable, build_region_table
 from weightsync.plan.regions import Cutter, SourceIndex
@@ -87,11 +88,11 @@ def expand(rt: RegionTable, rule: HolderRule, dst_ranks: Iterable[int], src_rank
     for d in dst_ranks:
         h = rule.choose(rt, d)
         if src_rank is None:
-            sel: slice | np.ndarray = slice(None)
+            sel: np.ndarray = np.arange(len(rt))
         else:
             sel = np.flatnonzero(hs.rank[h] == src_rank)
             h = h[sel]
-        chunks.append({
+        chunks.append(coalesce_chunk(rt, sel, {
             "gid": rt.gid[sel], "src_rank": hs.rank[h], "src_pid": hs.pid[h],
             "dst_rank": np.full(len(h), d, dtype=np.int32), "dst_pid": rt.dst_pid[sel],
             "transform": rt.transform[sel], "zero_copy": hs.zc[h],
@@ -99,8 +100,55 @@ def expand(rt: RegionTable, rule: HolderRule, dst_ranks: Iterable[int], src_rank
             "s_lo": hs.s_lo[h], "s_hi": hs.s_hi[h], "s_nd": hs.s_nd[h],
             "d_lo": rt.d_lo[sel], "d_hi": rt.d_hi[sel], "d_nd": rt.d_nd[sel],
             "nbytes": rt.nbytes[sel],
-        })
+        }))
     return chunks
+
+
+def _adjacent_dim(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray, b_hi: np.ndarray) -> np.ndarray:
+    """Per row pair: the dim along which box b directly follows box a (equal elsewhere), else -1."""
+    same = (a_lo == b_lo) & (a_hi == b_hi)
+    follows = (a_hi == b_lo) & ~same
+    ok = (same.sum(axis=1) == same.shape[1] - 1) & follows.any(axis=1)
+    return np.where(ok, np.argmax(follows, axis=1), -1)
+
+
+def coalesce_chunk(rt: RegionTable, sel: np.ndarray, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Merge ops of consecutive regions of one destination tensor that continue each other.
+
+    Rows ``i-1`` and ``i`` merge when they come from consecutive regions (``sel``) of the same
+    destination tensor, read the same source tensor, write the same global tensor with the same
+    transform (never ``fp8_scale``), and their global, source and destination boxes all follow
+    each other along the same dim. A chain merges along one dim only. The rule looks at two
+    regions and their chosen holders only, so a per-rank plan merges exactly as the whole plan.
+    """
+    n = len(sel)
+    if n < 2:
+        return cols
+    link = np.zeros(n, dtype=bool)
+    link[1:] = ((sel[1:] == sel[:-1] + 1) & (rt.j[sel[1:]] == rt.j[sel[:-1]] + 1)
+                & (cols["src_rank"][1:] == cols["src_rank"][:-1]) & (cols["src_pid"][1:] == cols["src_pid"][:-1])
+                & (cols["gid"][1:] == cols["gid"][:-1]) & (cols["transform"][1:] == cols["transform"][:-1])
+                & (cols["transform"][1:] != TRANSFORMS.index("fp8_scale")))
+    cand = np.flatnonzero(link)
+    if len(cand) == 0:
+        return cols
+    dims = [_adjacent_dim(cols[f"{b}_lo"][cand - 1], cols[f"{b}_hi"][cand - 1], cols[f"{b}_lo"][cand],
+                          cols[f"{b}_hi"][cand]) for b in ("g", "s", "d")]
+    good = (dims[0] >= 0) & (dims[0] == dims[1]) & (dims[0] == dims[2])
+    link[cand] = good
+    dim = np.full(n, -1)
+    dim[cand] = dims[0]
+    for i in np.flatnonzero(link):  # a chain continues along one dim only
+        if link[i - 1] and dim[i - 1] != dim[i]:
+            link[i] = False
+    starts = np.flatnonzero(~link)
+    ends = np.append(starts[1:], n) - 1
+    out = {k: v[starts] for k, v in cols.items()}
+    for b in ("g", "s", "d"):
+        out[f"{b}_hi"] = cols[f"{b}_hi"][ends]
+    out["nbytes"] = np.add.reduceat(cols["nbytes"], starts)
+    out["zero_copy"] = np.logical_and.reduceat(cols["zero_copy"], starts)
+    return out
 
 
 def assemble(mode: str, inputs: PlanInputs, names: NameTable, chunks: list[dict[str, np.ndarray]],

@@ -306,15 +306,17 @@ class _Verifier:
             if g.quant_of is not None:
                 self.g_quant_of[i] = self.gn.ids[g.quant_of]
 
-    def fail(self, check: str, mask: np.ndarray, describe: str) -> None:
-        """Record problem ``check`` for the ops in ``mask`` (first few described) and drop them."""
+    def fail(self, check: str, mask: np.ndarray, describe: str, drop: bool = True) -> None:
+        """Record problem ``check`` for the ops in ``mask`` (first few described); with ``drop``
+        the ops take no part in later checks (they are structurally broken)."""
         idx = np.flatnonzero(mask & self.ok)
         for i in idx[:MAX_LISTED]:
             op = self.t.op(int(i))
             self.problems.append((check, describe.format(op=op)))
         if len(idx) > MAX_LISTED:
             self.problems.append((check, f"... {len(idx) - MAX_LISTED} more ops with the same problem"))
-        self.ok[idx] = False
+        if drop:
+            self.ok[idx] = False
 
     def check_ops(self) -> None:
         t = self.t
@@ -330,11 +332,11 @@ class _Verifier:
         self.fail("param", drow < 0, "rollout rank {op.dst_rank} has no parameter {op.dst_param} ({op.global_name})")
         self.fail("param", srow < 0, "trainer rank {op.src_rank} has no parameter {op.src_param} ({op.global_name})")
         drow, srow = drow.clip(0), srow.clip(0)
-        self.fail("param", (self.dparams.nd[drow] != t.d_nd) | (self.sparams.nd[srow] != t.s_nd),
-                  "op on {op.global_name}: box rank does not match {op.dst_param} / {op.src_param}")
         self.fail("derived", self.dparams.derived[drow],
                   "op writes derived tensor {op.dst_param} on rollout rank {op.dst_rank} ({op.global_name}); "
                   "derived tensors are recomputed by the engine and never written")
+        self.fail("param", (self.dparams.nd[drow] != t.d_nd) | (self.sparams.nd[srow] != t.s_nd),
+                  "op on {op.global_name}: box rank does not match {op.dst_param} / {op.src_param}")
         self._check_dtypes(self.sparams.dtype[srow], self.dparams.dtype[drow])
         self._check_dest(dkey)
         self._check_source(skey)
@@ -351,14 +353,14 @@ class _Verifier:
             | ((tr == T_SCALE) & is_scale & (dd == F32) & (sd != FP8))
         )
         self.fail("dtype", ~legal, "op {op.global_name} -> {op.dst_param} on rollout rank {op.dst_rank}: transform "
-                  "{op.transform} does not convert the source dtype into the destination dtype")
+                  "{op.transform} does not convert the source dtype into the destination dtype", drop=False)
         quant = tr == T_QUANT
         if quant.any():
             b = np.where(block > 0, block, 1)
             shp = self.g_shape[t.gid]
             aligned = np.all((t.g_lo % b == 0) & ((t.g_hi % b == 0) | (t.g_hi == shp)), axis=1)
             self.fail("dtype", quant & ~aligned, "fp8_quant op on {op.global_name} box {op.global_box} is not made of "
-                      "whole fp8 blocks")
+                      "whole fp8 blocks", drop=False)
 
     def _check_dest(self, dkey: np.ndarray) -> None:
         t = self.t
@@ -377,7 +379,7 @@ class _Verifier:
                   "which holds no global tensor (padding), from {op.global_name}")
         self.fail("mapping", ~good, "op writes {op.global_name} {op.global_box} into {op.dst_box} of {op.dst_param} on "
                   "rollout rank {op.dst_rank}, where the destination layout does not keep that region")
-        self.dpiece = np.where(good, cand, -1)
+        self.dpiece = np.where(good & self.ok, cand, -1)
 
     def _check_source(self, skey: np.ndarray) -> None:
         t = self.t
@@ -394,7 +396,7 @@ class _Verifier:
         for i in np.flatnonzero(~good & self.ok):
             good[i] = fb.find(int(key[i]), lo[i], hi[i], t.s_lo[i], t.s_hi[i]) >= 0
         self.fail("source", ~good, "op reads {op.src_box} of {op.src_param} on trainer rank {op.src_rank}, which "
-                  "does not hold {op.global_name} {op.global_box} there inside one source piece")
+                  "does not hold {op.global_name} {op.global_box} there inside one source piece", drop=False)
 
     def check_layout(self) -> None:
         """Destination pieces lie inside their tensors and do not overlap."""
@@ -447,7 +449,7 @@ class _Verifier:
             e, r = divmod(d, self.tp)
             mine = rank_of_piece == r
             total += int(vol_p[mine].sum())
-            short = np.flatnonzero(mine & (got[e] != vol_p))
+            short = np.flatnonzero(mine & (got[e] < vol_p))  # excess is reported as overlap
             for i in short:
                 if listed < MAX_LISTED:
                     self.problems.append(("coverage", f"not written: {int(vol_p[i] - got[e, i])} of {int(vol_p[i])} "
