@@ -5,21 +5,22 @@ Transformer Engine): ``ColumnParallelLinear`` / ``RowParallelLinear``, RMSNorm m
 ``SequentialMLP`` experts, shared experts, a softmax or sigmoid router with an optional expert
 bias, q/k layernorm, qkv bias, partial rotary, and MLA (``MLATransformerConfig``) for the
 DeepSeek-V3 family. Where the local spec cannot build a piece (MLA's core attention, GLM-5's DSA
-indexer) :mod:`weightsync.trainer.megatron_attention` fills the slot without changing the
+indexer) :mod:`weightsync.trainer.megatron_modules` fills the slot without changing the
 parameter layout.
 
 Choices, each matching how Megatron-LM trains these models as far as weights go:
 
 * parameters in ``spec.dtype`` (Megatron-LM's ``Float16Module`` casts the model to bf16), the
   router's ``expert_bias`` buffer in float32;
-* no sequence parallelism (the local spec's torch norms refuse it; it changes no weight layout);
+* sequence parallelism as ``par.sequence_parallel`` says (when TP > 1), with weightsync's
+  :class:`RMSNormSP` norms (the local spec's torch norms refuse it); it changes no weight;
 * vocab padded to a multiple of ``128 * tp`` (``--make-vocab-size-divisible-by 128``);
 * ``moe_layer_freq`` an int when every layer is MoE, else the ``[0]*k + [1]*n`` list (as miles
   passes it), which also decides the checkpoint key style (:mod:`weightsync.trainer.dist_layout`).
 
 megatron-core 0.16.1 assumes CUDA and Transformer Engine in a few places while it builds;
-:func:`megatron_build_env` works around them (see there), which lets every family, MLA
-included, be built on a CPU machine.
+:func:`megatron_compat` works around them (see there), which lets every family, MLA
+included, be built and run on a CPU machine.
 
 Typical usage (inside an initialized process group of ``par.world_size`` ranks)::
 
@@ -47,24 +48,37 @@ from weightsync.trainer.torch_dist import torch_dtype
 
 
 @contextlib.contextmanager
-def megatron_build_env() -> Iterator[None]:
-    """Work around two megatron-core 0.16.1 assumptions while it builds (or saves) a model.
+def megatron_compat() -> Iterator[None]:
+    """Work around megatron-core 0.16.1's assumptions of CUDA and Transformer Engine.
 
-    * Without CUDA, ``torch.cuda.current_device()`` (asked for the device of the router's
-      expert-bias buffers and of rotary frequencies) is pointed at the CPU.
-    * Without Transformer Engine, megatron-core's TE extension still imports (its classes are
-      placeholders), so ``multi_latent_attention.HAVE_TE`` is True and an ``isinstance`` test
-      against the placeholder fails: it is set False for the duration.
+    Enter it around building, saving and running a model on a machine that lacks either:
+
+    * without CUDA, ``torch.cuda.current_device()`` (asked for the device of the router's
+      buffers and weight, and of rotary frequencies) answers ``"cpu"``, and the model-parallel
+      RNG tracker's ``fork()`` (entered around dropout under sequence parallelism; it holds CUDA
+      generator states) is a no-op: weightsync's models have no dropout;
+    * without Transformer Engine, megatron-core's TE extension still imports (with placeholder
+      classes), so ``multi_latent_attention.HAVE_TE`` is True and an ``isinstance`` test
+      against a placeholder fails: it is False for the duration; and ``moe_utils`` ends up
+      without a ``te_general_gemm`` name, which the router's gating reads: it is set to None
+      (the value megatron-core means when TE is absent).
     """
     import importlib.util
 
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
 
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     with contextlib.ExitStack() as stack:
         if not torch.cuda.is_available():
             original = torch.cuda.current_device
             torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
             stack.callback(setattr, torch.cuda, "current_device", original)
+            tracker = get_cuda_rng_tracker()
+            tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()  # type: ignore[method-assign]
+            stack.callback(delattr, tracker, "fork")
         if importlib.util.find_spec("transformer_engine") is None:
             have_te = multi_latent_attention.HAVE_TE
             multi_latent_attention.HAVE_TE = False
@@ -72,16 +86,22 @@ def megatron_build_env() -> Iterator[None]:
         yield
 
 
-def init_parallel_state(par: TrainParallel, *, order: str = "tp-cp-ep-dp-pp") -> None:
+def init_parallel_state(par: TrainParallel, *, order: str = "tp-cp-ep-dp-pp", seed: int = 1234) -> None:
     """Initialize megatron-core's parallel groups for ``par`` (torch.distributed must be up).
 
-    Hangs unless every rank of the job calls it. Pair with :func:`destroy_parallel_state`.
+    On CUDA also seeds megatron-core's model-parallel RNG tracker (``model_parallel_cuda_manual_seed``),
+    which its forward needs under sequence parallelism. Hangs unless every rank of the job calls
+    it. Pair with :func:`destroy_parallel_state`.
     """
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp, context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.etp, order=order)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_parallel_state() -> None:
@@ -117,7 +137,8 @@ def transformer_config(spec: ModelSpec, par: TrainParallel, *, dtype: torch.dtyp
         "hidden_dropout": 0.0, "attention_dropout": 0.0, "tensor_model_parallel_size": par.tp,
         "pipeline_model_parallel_size": par.pp, "context_parallel_size": par.cp,
         "expert_model_parallel_size": par.ep, "expert_tensor_parallel_size": par.etp,
-        "num_layers_in_last_pipeline_stage": par.pp_last_stage_layers, "sequence_parallel": False,
+        "num_layers_in_last_pipeline_stage": par.pp_last_stage_layers,
+        "sequence_parallel": par.sequence_parallel and par.tp > 1,
         "params_dtype": dtype, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
         "pipeline_dtype": dtype, "use_cpu_initialization": device == "cpu", "perform_initialization": True,
         "masked_softmax_fusion": False, "bias_activation_fusion": False, "bias_dropout_fusion": False,
@@ -149,25 +170,47 @@ def transformer_config(spec: ModelSpec, par: TrainParallel, *, dtype: torch.dtyp
 
 
 def _block_spec(config: object, spec: ModelSpec, pp_rank: int) -> object:
-    """The local-spec decoder block of one PP stage, MLA core attention swapped in."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    """The local-spec decoder block of one PP stage, with weightsync's core attention and norms.
+
+    :class:`SdpaCoreAttention` replaces ``DotProductAttention`` (which serves neither MLA nor a
+    CPU forward: it allocates its causal mask on CUDA) and :class:`RMSNormSP` replaces the local
+    norm (``WrappedTorchNorm`` refuses sequence parallelism). Neither changes a parameter.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl, get_gpt_decoder_block_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from weightsync.trainer.megatron_attention import SdpaCoreAttention
+    from weightsync.trainer.megatron_modules import RMSNormSP, SdpaCoreAttention
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                       pp_rank=pp_rank)
-    if not spec.is_mla:
-        return block
-    indexer = None
-    if spec.has_indexer:
-        q_in = spec.q_lora_rank if spec.q_lora_rank is not None else spec.hidden_size
-        indexer = {"q_lora_rank": q_in, "num_heads": spec.index_n_heads, "head_dim": spec.index_head_dim}
-    core = ModuleSpec(module=SdpaCoreAttention, params={"indexer": indexer})
-    block = copy.deepcopy(block)
+    block = copy.deepcopy(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                                     pp_rank=pp_rank))
+    core: object = SdpaCoreAttention  # SelfAttention calls the class directly
+    if spec.is_mla:  # MLASelfAttention goes through build_module
+        indexer = None
+        if spec.has_indexer:
+            q_in = spec.q_lora_rank if spec.q_lora_rank is not None else spec.hidden_size
+            indexer = {"q_lora_rank": q_in, "num_heads": spec.index_n_heads, "head_dim": spec.index_head_dim}
+        core = ModuleSpec(module=SdpaCoreAttention, params={"indexer": indexer})
     for layer_spec in block.layer_specs:
         layer_spec.submodules.self_attention.submodules.core_attention = core
+    _replace_class(block, LNImpl, RMSNormSP)  # WrappedTorchNorm (or Apex's FusedLayerNorm when installed)
     return block
+
+
+def _replace_class(node: object, old: type, new: type) -> None:
+    """Replace ``old`` by ``new`` in every field of a (nested) spec dataclass, in place."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(node):
+        return
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if value is old:
+            setattr(node, f.name, new)
+        elif isinstance(value, list):
+            for item in value:
+                _replace_class(item, old, new)
+        else:
+            _replace_class(value, old, new)
 
 
 def build_gpt_model(spec: ModelSpec, par: TrainParallel, rank: int, *, device: str = "cpu",
@@ -202,7 +245,7 @@ def build_gpt_model(spec: ModelSpec, par: TrainParallel, rank: int, *, device: s
     dtype = dtype if dtype is not None else torch_dtype(spec.dtype)
     config = transformer_config(spec, par, dtype=dtype, device=device, moe_dispatcher=moe_dispatcher)
     pp_rank = train_coords(par, rank).pp
-    with megatron_build_env():
+    with megatron_compat():
         model = GPTModel(
             config=config, transformer_layer_spec=_block_spec(config, spec, pp_rank),
             vocab_size=padded_vocab_size(spec.vocab_size, par.tp, MAKE_VOCAB_SIZE_DIVISIBLE_BY),
@@ -231,15 +274,17 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def check_against_layout(model: torch.nn.Module, spec: ModelSpec, par: TrainParallel, rank: int, *,
-                         expert_naming: str = "sequential") -> dict[str, LocalTensor]:
+                         expert_naming: str = "sequential", check_dtype: bool = True) -> dict[str, LocalTensor]:
     """Check a live model against the trainer layout; return the layout by parameter name.
 
-    Compared per parameter: the name and order, the shape, the dtype, and Megatron's
-    ``tensor_model_parallel`` / ``partition_dim`` attributes against :func:`tp_split`.
+    Compared per parameter: the name and order, the shape, the dtype (unless ``check_dtype`` is
+    False), and Megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes against
+    :func:`tp_split`.
 
     Args:
         model: this rank's ``GPTModel``.
         spec, par, rank, expert_naming: as in :func:`trainer_layout`.
+        check_dtype: compare dtypes too (a model built in float32 for checks differs).
 
     Returns:
         Parameter name -> :class:`LocalTensor` (its pieces of HF global tensors).
@@ -261,7 +306,7 @@ def check_against_layout(model: torch.nn.Module, spec: ModelSpec, par: TrainPara
             continue
         if tuple(p.shape) != t.shape:
             problems.append(f"{t.name}: shape {list(p.shape)} != layout {list(t.shape)}")
-        if p.dtype != torch_dtype(t.dtype):
+        if check_dtype and p.dtype != torch_dtype(t.dtype):
             problems.append(f"{t.name}: dtype {p.dtype} != layout {t.dtype}")
         want = tp_split(spec, t.name)
         got = (bool(getattr(p, "tensor_model_parallel", False)), getattr(p, "partition_dim", None))

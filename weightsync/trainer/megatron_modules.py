@@ -1,5 +1,6 @@
-"""A core-attention module for megatron-core's local layer spec that also serves MLA.
+"""Modules that fill slots of megatron-core's local layer spec where its own do not serve.
 
+**Core attention.**
 megatron-core 0.16.1's local ``DotProductAttention`` takes no ``k_channels`` / ``v_channels``
 (MLA's q/k head dim differs from its v head dim), so ``MLASelfAttention`` can be built only with
 Transformer Engine's attention. :class:`SdpaCoreAttention` is a drop-in for the
@@ -14,6 +15,12 @@ megatron-core's ``DSAIndexer`` (``linear_wq_b``, ``linear_wk``, ``k_norm`` with 
 ``linear_weights_proj``), so that names, shapes and checkpoint keys match and the weights can be
 loaded, trained and transferred. The attention itself stays dense: the indexer's top-k token
 selection is not applied (a limitation stated in docs/trainer.md).
+
+**Norms.** The local spec's ``WrappedTorchNorm`` refuses sequence parallelism, which megatron-core
+requires for training MoE layers at TP > 1 (and which the reference runs use everywhere).
+:class:`RMSNormSP` is ``torch.nn.RMSNorm`` (same parameter, same checkpoint key) that marks its
+weight ``sequence_parallel`` as TE's and Apex's norms do, so that its gradient is summed over
+the TP group like theirs.
 """
 
 from __future__ import annotations
@@ -23,6 +30,16 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class RMSNormSP(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` built from a megatron-core config, sequence-parallel aware (module docstring)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused: object) -> None:
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"RMSNormSP needs normalization='RMSNorm', got {config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 class DsaIndexerWeights(torch.nn.Module):
