@@ -1,0 +1,239 @@
+"""ctypes bindings to the CUDA runtime torch loaded, and a device copy engine on its own stream.
+
+Used by the cuda_ipc and local transports. ctypes rather than ``cuda.bindings``/cupy: the C ABI
+of these few calls is stable across CUDA 12 and 13, while the Python wrappers' signatures are
+not, and torch already loaded ``libcudart`` into the process (we bind to that very library, so
+streams and the primary context are shared with torch).
+
+Nothing here runs without a GPU; :func:`cuda_runtime_available` says whether it can.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from unified virtual addresses
+STREAM_NON_BLOCKING = 1
+EVENT_DISABLE_TIMING = 2
+IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+MEMORY_TYPE_DEVICE = 2  # cudaMemoryTypeDevice
+IPC_HANDLE_BYTES = 64
+
+_vp = ctypes.c_void_p
+_sz = ctypes.c_size_t
+
+
+class IpcMemHandle(ctypes.Structure):
+    """``cudaIpcMemHandle_t``: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class PointerAttributes(ctypes.Structure):
+    """``cudaPointerAttributes`` as of CUDA 11 and later."""
+
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("devicePointer", _vp), ("hostPointer", _vp)]
+
+
+def cuda_runtime_available() -> bool:
+    """True when torch sees a CUDA device (the runtime library is then loaded)."""
+    return torch.cuda.is_available()
+
+
+def _find_cudart() -> str:
+    """Path of the libcudart torch loaded (from /proc/self/maps), else a name dlopen can find."""
+    torch.cuda.init()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                if "libcudart.so" in path:
+                    return path
+    except OSError:
+        pass
+    found = ctypes.util.find_library("cudart")
+    if found is None:
+        raise RuntimeError("cannot find libcudart: torch did not load it and it is not on the library path")
+    return found
+
+
+class CudaRuntime:
+    """The handful of CUDA runtime/driver calls the transports need; raises RuntimeError on errors."""
+
+    def __init__(self) -> None:
+        if not cuda_runtime_available():
+            raise RuntimeError("CUDA runtime needs a visible CUDA device (torch.cuda.is_available() is false)")
+        rt = ctypes.CDLL(_find_cudart())
+        drv = ctypes.CDLL("libcuda.so.1")
+        sigs = {
+            "cudaGetErrorString": ([ctypes.c_int], ctypes.c_char_p),
+            "cudaGetDevice": ([ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+            "cudaSetDevice": ([ctypes.c_int], ctypes.c_int),
+            "cudaPointerGetAttributes": ([ctypes.POINTER(PointerAttributes), _vp], ctypes.c_int),
+            "cudaIpcGetMemHandle": ([ctypes.POINTER(IpcMemHandle), _vp], ctypes.c_int),
+            "cudaIpcOpenMemHandle": ([ctypes.POINTER(_vp), IpcMemHandle, ctypes.c_uint], ctypes.c_int),
+            "cudaIpcCloseMemHandle": ([_vp], ctypes.c_int),
+            "cudaStreamCreateWithFlags": ([ctypes.POINTER(_vp), ctypes.c_uint], ctypes.c_int),
+            "cudaStreamDestroy": ([_vp], ctypes.c_int),
+            "cudaStreamSynchronize": ([_vp], ctypes.c_int),
+            "cudaStreamWaitEvent": ([_vp, _vp, ctypes.c_uint], ctypes.c_int),
+            "cudaEventCreateWithFlags": ([ctypes.POINTER(_vp), ctypes.c_uint], ctypes.c_int),
+            "cudaEventRecord": ([_vp, _vp], ctypes.c_int),
+            "cudaEventQuery": ([_vp], ctypes.c_int),
+            "cudaEventDestroy": ([_vp], ctypes.c_int),
+            "cudaMemcpyAsync": ([_vp, _vp, _sz, ctypes.c_int, _vp], ctypes.c_int),
+            "cudaMemcpy2DAsync": ([_vp, _sz, _vp, _sz, _sz, _sz, ctypes.c_int, _vp], ctypes.c_int),
+        }
+        for name, (args, res) in sigs.items():
+            fn = getattr(rt, name)
+            fn.argtypes, fn.restype = args, res
+        drv.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(_sz), ctypes.c_uint64]
+        drv.cuMemGetAddressRange_v2.restype = ctypes.c_int
+        self.rt, self.drv = rt, drv
+
+    def check(self, ret: int, what: str) -> None:
+        if ret != CUDA_SUCCESS:
+            msg = self.rt.cudaGetErrorString(ret)
+            raise RuntimeError(f"{what} failed: CUDA error {ret} ({msg.decode() if msg else '?'})")
+
+    def get_device(self) -> int:
+        dev = ctypes.c_int()
+        self.check(self.rt.cudaGetDevice(ctypes.byref(dev)), "cudaGetDevice")
+        return dev.value
+
+    @contextmanager
+    def on_device(self, device: int) -> Iterator[None]:
+        """Make ``device`` current for the block (IPC mappings land in the current context)."""
+        prev = self.get_device()
+        self.check(self.rt.cudaSetDevice(device), f"cudaSetDevice({device})")
+        try:
+            yield
+        finally:
+            self.check(self.rt.cudaSetDevice(prev), f"cudaSetDevice({prev})")
+
+    def pointer_device(self, ptr: int) -> int:
+        """Device ordinal holding ``ptr``; raises ValueError for anything but device memory."""
+        attrs = PointerAttributes()
+        self.check(self.rt.cudaPointerGetAttributes(ctypes.byref(attrs), ptr), "cudaPointerGetAttributes")
+        if attrs.type != MEMORY_TYPE_DEVICE:
+            raise ValueError(f"address {ptr:#x} is not CUDA device memory (cudaMemoryType {attrs.type})")
+        return attrs.device
+
+    def allocation_range(self, ptr: int, device: int) -> tuple[int, int]:
+        """``(base, size)`` of the cudaMalloc allocation holding ``ptr``."""
+        base, size = ctypes.c_uint64(), _sz()
+        with self.on_device(device):
+            ret = self.drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+        if ret != CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemGetAddressRange({ptr:#x}) failed: CUDA driver error {ret}")
+        return base.value, size.value
+
+    def ipc_get_handle(self, base: int, device: int) -> bytes:
+        handle = IpcMemHandle()
+        with self.on_device(device):
+            ret = self.rt.cudaIpcGetMemHandle(ctypes.byref(handle), base)
+        if ret != CUDA_SUCCESS:
+            self.check(
+                ret,
+                f"cudaIpcGetMemHandle({base:#x}) (memory from torch's expandable segments cannot be exported: "
+                f"run the owner with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)",
+            )
+        return bytes(handle.reserved)
+
+    def ipc_open(self, handle: bytes, device: int) -> int:
+        """Map a peer allocation into ``device``'s context (the writer's: copies then run at link rate)."""
+        h = IpcMemHandle()
+        h.reserved = handle
+        ptr = _vp()
+        with self.on_device(device):
+            ret = self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, IPC_LAZY_ENABLE_PEER_ACCESS)
+        self.check(ret, "cudaIpcOpenMemHandle")
+        return int(ptr.value or 0)
+
+    def ipc_close(self, ptr: int, device: int) -> None:
+        with self.on_device(device):
+            self.check(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
+
+class DeviceCopier:
+    """Issues copies on a private non-blocking stream of one device; completion is an event.
+
+    Each submission first waits for the work already queued on torch's current stream of the
+    device, so a staging buffer packed there is complete before it is read.
+    """
+
+    def __init__(self, rt: CudaRuntime, device: int) -> None:
+        self.rt, self.device = rt, device
+        stream = _vp()
+        with rt.on_device(device):
+            rt.check(rt.rt.cudaStreamCreateWithFlags(ctypes.byref(stream), STREAM_NON_BLOCKING), "cudaStreamCreate")
+        self.stream = stream
+
+    def _event(self) -> _vp:
+        ev = _vp()
+        self.rt.check(self.rt.rt.cudaEventCreateWithFlags(ctypes.byref(ev), EVENT_DISABLE_TIMING), "cudaEventCreate")
+        return ev
+
+    def submit(self, blocks: np.ndarray) -> _vp:
+        """Enqueue the 2-D blocks (``strided_blocks`` rows); returns the completion event."""
+        rt, lib = self.rt, self.rt.rt
+        with rt.on_device(self.device):
+            ready = self._event()
+            rt.check(lib.cudaEventRecord(ready, torch.cuda.current_stream(self.device).cuda_stream), "cudaEventRecord")
+            rt.check(lib.cudaStreamWaitEvent(self.stream, ready, 0), "cudaStreamWaitEvent")
+            rt.check(lib.cudaEventDestroy(ready), "cudaEventDestroy")
+            for s, d, w, h, sp, dp in blocks.tolist():
+                if h == 1:
+                    ret = lib.cudaMemcpyAsync(d, s, w, MEMCPY_DEFAULT, self.stream)
+                else:
+                    ret = lib.cudaMemcpy2DAsync(d, dp, s, sp, w, h, MEMCPY_DEFAULT, self.stream)
+                if ret != CUDA_SUCCESS:
+                    rt.check(ret, f"cudaMemcpy{'2D' if h > 1 else ''}Async({d:#x} <- {s:#x}, {w}x{h})")
+            done = self._event()
+            rt.check(lib.cudaEventRecord(done, self.stream), "cudaEventRecord")
+        return done
+
+    def wait(self, event: _vp, deadline: float) -> bool:
+        """Poll ``event`` until done (True, event destroyed) or ``deadline`` passes (False)."""
+        pause = 20e-6
+        while True:
+            ret = self.rt.rt.cudaEventQuery(event)
+            if ret == CUDA_SUCCESS:
+                self.rt.check(self.rt.rt.cudaEventDestroy(event), "cudaEventDestroy")
+                return True
+            if ret != CUDA_ERROR_NOT_READY:
+                self.rt.check(ret, "cudaEventQuery (an issued copy failed)")
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def close(self) -> None:
+        """Finish queued copies and destroy the stream."""
+        with self.rt.on_device(self.device):
+            self.rt.check(self.rt.rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+            self.rt.check(self.rt.rt.cudaStreamDestroy(self.stream), "cudaStreamDestroy")
+
+
+def device_tensor(addr: int, nbytes: int, device: int) -> torch.Tensor:
+    """A uint8 torch view of raw device memory (no ownership), via ``__cuda_array_interface__``."""
+
+    class _Raw:
+        __cuda_array_interface__ = {  # noqa: RUF012 -- a per-call record, never mutated
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (addr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    return torch.as_tensor(_Raw(), device=f"cuda:{device}")

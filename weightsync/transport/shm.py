@@ -1,0 +1,239 @@
+"""Same-host CPU transport: the receiver's parameters live in named shared memory.
+
+The receiver allocates its CPU parameter storage inside a :class:`SharedArena` (a file in
+``/dev/shm`` mapped ``MAP_SHARED``) and publishes the segment name; a writer on the same host
+maps the segment once and writes with memcpy on a worker thread (see ``_host.py`` for the
+measured copy rates). This is the CPU analogue of ``cuda_ipc``: on the 2-core machines Mooncake
+``tcp`` moved 0.34 GB/s on loopback against about 15 GB/s for memcpy, so same-host CPU traffic
+never goes through sockets.
+
+Segments are named ``<prefix>-<owner pid>-<random>``. The owner unlinks its segments on
+:meth:`ShmTransport.close` (and at garbage collection or interpreter exit if never closed);
+:func:`remove_stale_segments` removes those of owners that died without cleaning up (SIGKILL).
+
+Typical usage (receiver)::
+
+    with ShmTransport() as t:
+        arena = t.new_arena(arena_bytes(sizes))
+        params = {n: arena.empty(shape, dtype) for n, (shape, dtype) in specs.items()}
+        t.register("params", arena.base, arena.nbytes)
+        publish(t.descriptor().to_json())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from weightsync.transport._host import HostCopier, wait_futures
+from weightsync.transport.base import (
+    DEFAULT_ALIGN,
+    Arena,
+    Peer,
+    PeerDescriptor,
+    Region,
+    RegionTable,
+    Transport,
+    WriteBatch,
+    WriteHandle,
+    rebase_dst,
+    timeout_message,
+)
+
+SHM_DIR = Path("/dev/shm")
+DEFAULT_PREFIX = "weightsync"
+
+
+def shm_available() -> bool:
+    """True when ``/dev/shm`` exists and is writable (Linux)."""
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def _map(path: Path, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over ``path`` mapped MAP_SHARED; the mapping lives as long as the tensor."""
+    storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _unlink_quietly(path: Path) -> None:
+    # Runs from close() and from the weakref finalizer, possibly after the other already ran.
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+class SharedArena(Arena):
+    """An arena in a new ``/dev/shm`` segment, for memory that writers on this host fill.
+
+    Parameters carved with :meth:`empty` stay valid after :meth:`close`: closing unlinks the
+    segment name (so nothing leaks in ``/dev/shm``), while the mapping lasts as long as any tensor
+    view of it. Writers must have mapped the segment before the owner closes it.
+    """
+
+    def __init__(self, nbytes: int, *, prefix: str = DEFAULT_PREFIX, align: int = DEFAULT_ALIGN) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"shared arena size must be positive, got {nbytes}")
+        self.segment = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = SHM_DIR / self.segment
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
+        try:
+            super().__init__(_map(self.path, nbytes), align=align)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def close(self) -> None:
+        """Unlink the segment; idempotent. Existing tensor views stay usable."""
+        self._finalizer()
+
+
+def list_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Names of the shm segments with ``prefix`` that exist now (for leak checks)."""
+    if not SHM_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHM_DIR.glob(f"{prefix}-*"))
+
+
+def remove_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Unlink segments whose owner process (the pid in the name) no longer exists.
+
+    Deletes files in ``/dev/shm``. Owners in another pid namespace look dead: call this only
+    where every owner runs in this namespace (one launcher per host).
+
+    Returns:
+        The names removed.
+    """
+    removed = []
+    for name in list_segments(prefix):
+        try:
+            pid = int(name[len(prefix) + 1 :].split("-", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            _unlink_quietly(SHM_DIR / name)
+            removed.append(name)
+        except PermissionError:
+            continue  # alive, owned by another user
+    return removed
+
+
+@dataclass(eq=False, kw_only=True)
+class ShmPeer(Peer):
+    """A peer whose segments this process has mapped (local only)."""
+
+    mappings: dict[str, torch.Tensor]
+    """Segment name -> uint8 tensor over this process's mapping of it."""
+    local_bases: np.ndarray
+    """Per region of ``table``: local address of the region's first byte."""
+
+
+@dataclass(eq=False, kw_only=True)
+class ShmHandle(WriteHandle):
+    futures: list[Future[None]]
+
+
+class ShmTransport(Transport):
+    """Same-host CPU writes into a receiver's :class:`SharedArena` (see module docstring)."""
+
+    kind: ClassVar[str] = "shm"
+    same_host_only: ClassVar[bool] = True
+    dest_needs_arena: ClassVar[bool] = True
+    uses_blocks: ClassVar[bool] = True
+
+    def __init__(self, *, num_threads: int = 1, prefix: str = DEFAULT_PREFIX) -> None:
+        """Args:
+        num_threads: copy threads per writer (1 is fastest on the 2-core machines; more pay
+            off where one core cannot saturate memory bandwidth).
+        prefix: segment name prefix in ``/dev/shm``.
+        """
+        super().__init__()
+        if not shm_available():
+            raise RuntimeError(f"shm transport needs a writable {SHM_DIR}")
+        self.prefix = prefix
+        self._arenas: list[SharedArena] = []
+        self._copier = HostCopier(num_threads, name="weightsync-shm")
+        self._peers: list[ShmPeer] = []
+
+    @property
+    def session_id(self) -> str:
+        return f"shm:{os.getpid()}:{id(self):x}"
+
+    def new_arena(self, nbytes: int, *, device: torch.device | str = "cpu", align: int = DEFAULT_ALIGN) -> SharedArena:
+        """A :class:`SharedArena` owned by this transport (unlinked on :meth:`close`)."""
+        self._check_open()
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"shm arenas hold host memory; got device {device!r}: use cuda_ipc for GPU memory")
+        arena = SharedArena(nbytes, prefix=self.prefix, align=align)
+        self._arenas.append(arena)
+        return arena
+
+    def _register(self, region: Region) -> Region:
+        for arena in self._arenas:
+            if arena.base <= region.addr and region.end <= arena.base + arena.nbytes:
+                return replace(region, handle=arena.segment, handle_offset=region.addr - arena.base)
+        return region  # source-only memory: writable by this side, not published to peers
+
+    def descriptor(self) -> PeerDescriptor:
+        """Publishes only regions inside this transport's shared arenas (peers can map those)."""
+        desc = super().descriptor()
+        return replace(desc, regions=tuple(r for r in desc.regions if r.handle))
+
+    def _connect(self, descriptor: PeerDescriptor) -> ShmPeer:
+        mappings: dict[str, torch.Tensor] = {}
+        for r in descriptor.regions:
+            if not r.handle:
+                raise ValueError(f"region {r.name!r} of peer {descriptor.session_id!r} names no shm segment")
+            if r.handle not in mappings:
+                path = SHM_DIR / r.handle
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    raise ValueError(
+                        f"shm segment {r.handle!r} of peer {descriptor.session_id!r} does not exist: the owner "
+                        f"closed it, or the two processes do not share {SHM_DIR} (another container?)"
+                    ) from None
+                mappings[r.handle] = _map(path, size)
+            if r.handle_offset + r.nbytes > mappings[r.handle].numel():
+                raise ValueError(f"region {r.name!r} of peer {descriptor.session_id!r} runs past its segment's end")
+        table = RegionTable(descriptor.regions)
+        bases = np.array([mappings[r.handle].data_ptr() + r.handle_offset for r in table.regions], dtype=np.int64)
+        peer = ShmPeer(descriptor=descriptor, table=table, mappings=mappings, local_bases=bases)
+        self._peers.append(peer)
+        return peer
+
+    def _translate(self, peer: Peer, runs: np.ndarray, dst_idx: np.ndarray) -> np.ndarray:
+        assert isinstance(peer, ShmPeer)
+        return rebase_dst(runs, peer.table, peer.local_bases, dst_idx)
+
+    def _submit(self, batch: WriteBatch) -> ShmHandle:
+        assert batch.blocks is not None
+        return ShmHandle(nbytes=batch.nbytes, futures=self._copier.submit(batch.blocks))
+
+    def _wait(self, handle: WriteHandle, deadline: float) -> None:
+        assert isinstance(handle, ShmHandle)
+        if not wait_futures(handle.futures, deadline):
+            raise TimeoutError(timeout_message(self.kind, handle, deadline))
+
+    def _close(self) -> None:
+        try:
+            self._copier.shutdown()
+        finally:
+            for arena in self._arenas:
+                arena.close()
+            self._arenas.clear()
+            self._peers.clear()
