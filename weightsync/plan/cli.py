@@ -162,7 +162,7 @@ def format_table(r: dict[str, Any]) -> str:
     rows += [
         ("links", ", ".join(f"{k} {_gb(v)}" for k, v in r["link_bytes"].items())),
         ("estimate", f"{r['estimate_seconds']:.2f} s ({r['estimate_slowest']})"),
-        ("verified", {None: "not run (--verify)", True: f"yes ({r['verify_seconds']:.1f} s)"}[r["verified"]]),
+        ("verified", f"yes ({r['verify_seconds']:.1f} s)" if r["verified"] else "not run (--verify)"),
         ("plan time", f"{r['plan_seconds']:.1f} s" + (" (cached)" if r["cache_hit"] else "")
          + f", layouts {r['layout_seconds']:.1f} s"),
     ]
