@@ -383,6 +383,14 @@ class Peer:
 
 
 @dataclass(eq=False, kw_only=True)
+class MappedPeer(Peer):
+    """A peer whose regions this process mapped at its own addresses (shm, cuda_ipc; local only)."""
+
+    local_bases: np.ndarray
+    """Per region of ``table``: where this process sees the region's first byte."""
+
+
+@dataclass(eq=False, kw_only=True)
 class WriteBatch:
     """A validated, coalesced write to one peer, ready to replay every step (local only).
 
@@ -586,8 +594,10 @@ class Transport(abc.ABC):
         return WriteBatch(peer=peer, runs=arr, blocks=blocks, nbytes=int(arr[:, 2].sum()))
 
     def _translate(self, peer: Peer, runs: np.ndarray, dst_idx: np.ndarray) -> np.ndarray:
-        """Map destination addresses into the backend's address space; identity by default."""
-        del peer, dst_idx
+        """Map destination addresses into this process's view: rebased for a :class:`MappedPeer`,
+        unchanged for backends that address the receiver's pointers directly."""
+        if isinstance(peer, MappedPeer):
+            return rebase_dst(runs, peer.table, peer.local_bases, dst_idx)
         return runs
 
     def write(self, peer: Peer, runs: Sequence[Run] | np.ndarray | WriteBatch) -> WriteHandle:

@@ -34,14 +34,13 @@ import numpy as np
 import torch
 
 from weightsync.transport.base import (
-    Peer,
+    MappedPeer,
     PeerDescriptor,
     Region,
     RegionTable,
     Transport,
     WriteBatch,
     WriteHandle,
-    rebase_dst,
     timeout_message,
 )
 
@@ -49,14 +48,6 @@ from weightsync.transport.base import (
 def cuda_ipc_available() -> bool:
     """True when a CUDA device is visible (CUDA IPC needs one on each side)."""
     return torch.cuda.is_available()
-
-
-@dataclass(eq=False, kw_only=True)
-class CudaIpcPeer(Peer):
-    """A peer whose allocations this process opened (local only)."""
-
-    local_bases: np.ndarray
-    """Per region of ``table``: the writer-context address of the region's first byte."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -111,7 +102,7 @@ class CudaIpcTransport(Transport):
         handle = base64.b64encode(self._handles[base]).decode("ascii")
         return replace(region, handle=handle, handle_offset=region.addr - base)
 
-    def _connect(self, descriptor: PeerDescriptor) -> CudaIpcPeer:
+    def _connect(self, descriptor: PeerDescriptor) -> MappedPeer:
         if descriptor.pid == os.getpid():
             raise ValueError(
                 f"peer {descriptor.session_id!r} is this process: CUDA IPC handles cannot be opened by "
@@ -125,11 +116,7 @@ class CudaIpcTransport(Transport):
             if r.handle not in self._opened:
                 self._opened[r.handle] = self._rt.ipc_open(base64.b64decode(r.handle), self.device)
             bases.append(self._opened[r.handle] + r.handle_offset)
-        return CudaIpcPeer(descriptor=descriptor, table=table, local_bases=np.array(bases, dtype=np.int64))
-
-    def _translate(self, peer: Peer, runs: np.ndarray, dst_idx: np.ndarray) -> np.ndarray:
-        assert isinstance(peer, CudaIpcPeer)
-        return rebase_dst(runs, peer.table, peer.local_bases, dst_idx)
+        return MappedPeer(descriptor=descriptor, table=table, local_bases=np.array(bases, dtype=np.int64))
 
     def _submit(self, batch: WriteBatch) -> CudaIpcHandle:
         assert batch.blocks is not None

@@ -38,14 +38,13 @@ from weightsync.transport._host import HostCopier, wait_futures
 from weightsync.transport.base import (
     DEFAULT_ALIGN,
     Arena,
-    Peer,
+    MappedPeer,
     PeerDescriptor,
     Region,
     RegionTable,
     Transport,
     WriteBatch,
     WriteHandle,
-    rebase_dst,
     timeout_message,
 )
 
@@ -133,13 +132,11 @@ def remove_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
 
 
 @dataclass(eq=False, kw_only=True)
-class ShmPeer(Peer):
+class ShmPeer(MappedPeer):
     """A peer whose segments this process has mapped (local only)."""
 
     mappings: dict[str, torch.Tensor]
-    """Segment name -> uint8 tensor over this process's mapping of it."""
-    local_bases: np.ndarray
-    """Per region of ``table``: local address of the region's first byte."""
+    """Segment name -> uint8 tensor over this process's mapping of it (keeps it mapped)."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -215,10 +212,6 @@ class ShmTransport(Transport):
         peer = ShmPeer(descriptor=descriptor, table=table, mappings=mappings, local_bases=bases)
         self._peers.append(peer)
         return peer
-
-    def _translate(self, peer: Peer, runs: np.ndarray, dst_idx: np.ndarray) -> np.ndarray:
-        assert isinstance(peer, ShmPeer)
-        return rebase_dst(runs, peer.table, peer.local_bases, dst_idx)
 
     def _submit(self, batch: WriteBatch) -> ShmHandle:
         assert batch.blocks is not None
