@@ -27,6 +27,7 @@ EVENT_DISABLE_TIMING = 2
 IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 MEMORY_TYPE_DEVICE = 2  # cudaMemoryTypeDevice
 IPC_HANDLE_BYTES = 64
+MAX_PITCH = (1 << 31) - 1  # cudaMemcpy2D rejects larger pitches (cudaDevAttrMaxPitch)
 
 _vp = ctypes.c_void_p
 _sz = ctypes.c_size_t
@@ -192,12 +193,15 @@ class DeviceCopier:
             rt.check(lib.cudaStreamWaitEvent(self.stream, ready, 0), "cudaStreamWaitEvent")
             rt.check(lib.cudaEventDestroy(ready), "cudaEventDestroy")
             for s, d, w, h, sp, dp in blocks.tolist():
-                if h == 1:
-                    ret = lib.cudaMemcpyAsync(d, s, w, MEMCPY_DEFAULT, self.stream)
-                else:
+                if h > 1 and max(sp, dp) <= MAX_PITCH:
                     ret = lib.cudaMemcpy2DAsync(d, dp, s, sp, w, h, MEMCPY_DEFAULT, self.stream)
-                if ret != CUDA_SUCCESS:
-                    rt.check(ret, f"cudaMemcpy{'2D' if h > 1 else ''}Async({d:#x} <- {s:#x}, {w}x{h})")
+                    if ret != CUDA_SUCCESS:
+                        rt.check(ret, f"cudaMemcpy2DAsync({d:#x} <- {s:#x}, {w} x {h})")
+                    continue
+                for r in range(h):
+                    ret = lib.cudaMemcpyAsync(d + r * dp, s + r * sp, w, MEMCPY_DEFAULT, self.stream)
+                    if ret != CUDA_SUCCESS:
+                        rt.check(ret, f"cudaMemcpyAsync({d + r * dp:#x} <- {s + r * sp:#x}, {w})")
             done = self._event()
             rt.check(lib.cudaEventRecord(done, self.stream), "cudaEventRecord")
         return done
