@@ -7,7 +7,8 @@ What it checks, for each model and scale, at TP 2 (and EP 2 for MoE models):
     (parameters in float32, so the comparison is not blurred by bf16 rounding) equals the
     built-in engine's forward of the HF checkpoint (single process, float32) and the plain
     reference forward (``weightsync.rollout.reference``), within ``LOGITS_ATOL`` (absolute, on
-    logits). Families: Qwen3 dense and Qwen3-MoE by default; ``--mla`` adds the MLA families.
+    logits). Families: Qwen3 dense and Qwen3-MoE by default; ``--all-families`` adds GLM-4.5
+    and the MLA families (tiny scale).
 (b) ``train``: ``--steps`` REINFORCE steps (bf16 parameters, float32 Adam master weights) on a
     fixed batch lower the loss (last < first), for Qwen3 dense and Qwen3-MoE.
 (c) ``layout``: each MLA family (Kimi-K2, GLM-4.7-Flash, GLM-5) built by megatron-core on the
@@ -21,6 +22,7 @@ directory, or ``--ckpt-dir``. The result is one JSON object on stdout (and in ``
 Usage (the H200 machine)::
 
     python scripts/gpu_trainer_check.py                       # tiny + layers=2, cuda, nccl
+    python scripts/gpu_trainer_check.py --all-families --out gpu_trainer_check.json
     python scripts/gpu_trainer_check.py --device cpu --quick  # the same on 2 CPU processes (CI)
 """
 
@@ -46,6 +48,8 @@ LOGITS_ATOL = 2e-3
 WORLD = 2
 DENSE, MOE = "Qwen3-4B", "Qwen3-30B-A3B"
 MLA_MODELS = ("Kimi-K2", "GLM-4.7-Flash", "GLM-5")
+OTHER_MODELS = ("GLM-4.5-Air", *MLA_MODELS)
+"""The families beyond Qwen3 dense / MoE (logits at tiny scale with --all-families)."""
 
 
 def _free_port() -> int:
@@ -227,10 +231,10 @@ def _plan(args: argparse.Namespace, ckpt_root: Path) -> list[dict[str, Any]]:
 
     plan = []
     scales = ["tiny"] if args.quick else args.scales.split(",")
-    logit_models = [DENSE, MOE, *(MLA_MODELS if args.mla else ())]
+    logit_models = [DENSE, MOE, *(OTHER_MODELS if args.all_families else ())]
     for scale in scales:
         for model in logit_models:
-            if model in MLA_MODELS and scale != "tiny":
+            if model in OTHER_MODELS and scale != "tiny":
                 continue
             res = prepare(PrepareConfig(model=model, scale=scale, ckpt_dir=ckpt_root, train=_train_parallel(model),
                                         progress=False), say=lambda s: print(s, file=sys.stderr))
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--scales", default="tiny,layers=2", help="comma-separated scales of the logits/train checks")
     p.add_argument("--quick", action="store_true", help="tiny scale only")
-    p.add_argument("--mla", action="store_true", help="also check logits of the MLA families")
+    p.add_argument("--all-families", action="store_true", help="also check logits of GLM-4.5 and the MLA families")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ckpt-dir", type=Path, default=None, help="where to prepare checkpoints (default: a temp dir)")
