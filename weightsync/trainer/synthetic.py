@@ -136,8 +136,9 @@ def adam_update(param: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: tor
     """
     m.mul_(cfg.beta1).add_(grad * (1.0 - cfg.beta1))
     v.mul_(cfg.beta2).add_((grad * grad) * (1.0 - cfg.beta2))
-    m_hat = m / (1.0 - cfg.beta1 ** step)
-    v_hat = v / (1.0 - cfg.beta2 ** step)
+    # Multiply by reciprocals: CUDA turns a division by a scalar into exactly this, CPU does not.
+    m_hat = m * (1.0 / (1.0 - cfg.beta1 ** step))
+    v_hat = v * (1.0 / (1.0 - cfg.beta2 ** step))
     delta = (m_hat / (v_hat.sqrt() + cfg.eps)) * cfg.lr
     old = param.clone()
     new = (old.float() - delta).to(param.dtype)
