@@ -53,7 +53,7 @@ class RunSession:
                                    engine_layout=engine_layout)
         self.steps: list[dict[str, Any]] = []
         self.version = 0
-        self._reference: Any = None
+        self._initial: dict[str, Any] | None = None
         self._buckets: Any = None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -107,15 +107,12 @@ class RunSession:
     def check_engines(self) -> None:
         """Refuse engines that serve another model or layout, before any byte is written."""
         r = self.cfg.rollout
+        want = {"model": self.cfg.model, "scale": self.cfg.scale, "tp_size": r.tp, "ep_size": r.ep, "dp_size": r.dp}
         for i, info in enumerate(self.procs.on_engines(lambda c: c.server_info())):
-            problems = []
-            if info.get("model") not in (None, self.cfg.model) and info.get("model_path") != str(self.hf_dir):
-                problems.append(f"model {info.get('model')!r} (expected {self.cfg.model!r})")
-            for key, want in (("tp_size", r.tp), ("ep_size", r.ep), ("dp_size", r.dp)):
-                if key in info and int(info[key]) != want:
-                    problems.append(f"{key}={info[key]} (expected {want})")
+            problems = [f"{k}={info.get(k)!r} (this run needs {v!r})" for k, v in want.items() if info.get(k) != v]
             if problems:
-                raise RunError(f"engine {i} does not match this run: " + ", ".join(problems))
+                raise RunError(f"engine {i} at {self.procs.engines[i].url} does not match this run: "
+                               + ", ".join(problems))
 
     def _transfer_infos(self) -> dict[int, dict[str, Any]]:
         """Every rollout rank's published descriptor and parameter table, by global rollout rank."""
@@ -267,26 +264,36 @@ class RunSession:
         record.update(checks)
         return record
 
+    def _reference(self, step: int) -> Any:
+        """The trainer's global tensors after ``step`` updates, computed from the checkpoint
+        independently of the transfer (the synthetic trainer's rule is a function of global
+        coordinates)."""
+        from weightsync.models.checkpoint import read_hf_checkpoint
+        from weightsync.trainer.synthetic import SyntheticUpdate, full_tensors_at_step
+
+        if self._initial is None:
+            self._initial = read_hf_checkpoint(self.hf_dir)[0]
+        full = full_tensors_at_step(self._initial, self.spec, step, SyntheticUpdate(seed=self.cfg.seed))
+        return full.__getitem__
+
     def validate(self, step: int) -> dict[str, Any]:
         """Checksums of every engine parameter against the trainer's weights, and logprob parity."""
-        from weightsync.trainer.synthetic import reference_global_tensors
-
-        read = reference_global_tensors(self.hf_dir, self.spec, step=step, seed=self.cfg.seed)
+        read = self._reference(step)
         tp = self.cfg.rollout.tp
         want = [expected_checksums(self.spec, self.cfg.rollout, r, read) for r in range(tp)]
         bad: list[str] = []
         for e, eng in enumerate(self.procs.engines):
             for r in range(tp):
-                got = eng.client.weights_checker("checksum", rank=r)
-                sums = got.get("checksums", got)
-                diff = compare_checksums(sums, want[r])
+                got = eng.client.weights_checker("checksum", rank=r)["checksums"]
+                diff = compare_checksums(got, want[r])
                 if diff:
                     bad.append(f"engine {e} rank {r}: {len(diff)} tensors differ, e.g. {diff[:3]}")
         lp = self._logprob_parity(read)
         tol = LOGPROB_TOL.get(self.spec.dtype, 2e-2)
-        out: dict[str, str] = {}
-        out["checksums"] = "pass" if not bad else "fail: " + "; ".join(bad)[:500]
-        out["logprob_parity"] = "pass" if lp <= tol else f"fail: max |d| {lp:.3g} > {tol}"
+        out = {
+            "checksums": "pass" if not bad else "fail: " + "; ".join(bad)[:500],
+            "logprob_parity": "pass" if lp <= tol else f"fail: max |d| {lp:.3g} > {tol}",
+        }
         return {"validation": out, "logprob_max_abs_diff": lp}
 
     def _logprob_parity(self, read: Any) -> float:

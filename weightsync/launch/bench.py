@@ -1,0 +1,387 @@
+"""``weightsync bench MODEL``: the transfer benchmark -- link rate, p2p update, broadcast update.
+
+In one run, on one machine, with the same model and the same processes:
+
+* **link**: a plain copy of the update's bytes -- inside one process (CPU ``memmove``; CUDA
+  GPU-to-GPU peer copy and same-GPU copy), and between the benchmark's own processes: each
+  trainer rank writes the bytes it sends in p2p as one run per destination, through the same
+  transport into the same engine arenas (the figure p2p's wire rate is compared with);
+* **p2p**: trainer ranks holding Megatron-layout shards of random global tensors write with
+  :class:`~weightsync.trainer.sender.P2PSender` into engine ranks holding sglang-layout
+  parameters in one registered arena (``shm`` on CPU, ``cuda_ipc`` on GPU);
+* **broadcast**: the same model through the baseline path (stage sources gather and broadcast
+  bucket by bucket; engine ranks keep their pieces).
+
+Every update is timed between barriers of all processes, after one warm-up run, ``--repeats``
+times; afterwards every engine rank compares its parameters bit for bit with the expected
+slicing of the global tensors. Prints a table and one ``BENCH_JSON {...}`` line; ``--out``
+writes the JSON to a file.
+
+Typical usage::
+
+    weightsync bench Qwen3-4B --scale layers=2 --train tp=2 --rollout tp=2 --device cpu
+    weightsync bench Qwen3-30B-A3B --scale layers=16 --train tp=1 --rollout tp=1 --device cuda \\
+        --out $OUT/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import queue
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from weightsync.launch.run import rollout_from_args, train_from_args
+
+log = logging.getLogger(__name__)
+
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast stays off in everything the benchmark spawns (shared GPU hosts)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="registry model name (weightsync list)")
+    p.add_argument("--scale", default="tiny", help="full | layers=N | tiny (default tiny)")
+    p.add_argument("--train", default="tp=2", help="trainer parallel sizes: tp=..,pp=..,ep=..,etp=..,world=..")
+    p.add_argument("--rollout", default="tp=2", help="engine parallel sizes: tp=..,ep=..,dp=..,engines=..")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--mode", choices=("p2p", "broadcast", "both"), default="both")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, after one warm-up run")
+    p.add_argument("--placement", choices=("split", "colocated"), default="split",
+                   help="cuda: split = every rank on a GPU of its own (trainers first); colocated = "
+                        "trainer rank i and rollout rank i share GPU i")
+    p.add_argument("--transport", choices=("auto", "shm", "cuda_ipc"), default="auto",
+                   help="p2p transport (auto: shm on cpu, cuda_ipc on cuda)")
+    p.add_argument("--bucket-gb", type=float, default=1.0, help="staging / broadcast bucket size in GB")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck benchmark is stopped")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host`` (not :mod:`weightsync.launch.procs`, which needs httpx)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def gpu_placement(num_train: int, num_rollout: int, placement: str, num_gpus: int) -> tuple[tuple[int, ...],
+                                                                                          tuple[int, ...]]:
+    """GPU of each trainer and rollout rank.
+
+    Raises:
+        ValueError: the machine has too few GPUs for the placement.
+    """
+    if placement == "split":
+        need = num_train + num_rollout
+        if need > num_gpus:
+            raise ValueError(f"split placement needs {need} GPUs ({num_train} trainer + {num_rollout} rollout "
+                             f"ranks), this machine has {num_gpus}: lower tp or use --placement colocated")
+        return tuple(range(num_train)), tuple(range(num_train, need))
+    need = max(num_train, num_rollout)
+    if need > num_gpus:
+        raise ValueError(f"colocated placement needs {need} GPUs, this machine has {num_gpus}")
+    return tuple(range(num_train)), tuple(range(num_rollout))
+
+
+def broadcast_skip_reason(device: str, train_gpus: tuple[int, ...], rollout_gpus: tuple[int, ...],
+                          sources: list[int]) -> str | None:
+    """Why broadcast cannot run with this placement (NCCL refuses two ranks of a group on one GPU)."""
+    if device != "cuda":
+        return None
+    for s in sources:
+        members = [train_gpus[s], *rollout_gpus]
+        if len(set(members)) != len(members):
+            return (f"NCCL needs every rank of a weight-update group on its own GPU; source rank {s} and the "
+                    f"rollout ranks use GPUs {members} (use --placement split)")
+    return None
+
+
+def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
+    """The :class:`BenchConfig` of the command line, and notes about what was changed or skipped."""
+    from weightsync.launch.bench_worker import BenchConfig
+    from weightsync.layout.megatron import trainer_layout
+    from weightsync.layout.sglang import engine_layout
+    from weightsync.models import get_model
+    from weightsync.plan.broadcast import plan_broadcast
+    from weightsync.plan.inputs import build_inputs
+
+    train, rollout = train_from_args(args.train), rollout_from_args(args.rollout)
+    spec = get_model(args.model, args.scale)
+    modes = ("p2p", "broadcast") if args.mode == "both" else (args.mode,)
+    notes: list[str] = []
+    train_gpus: tuple[int, ...] = ()
+    rollout_gpus: tuple[int, ...] = ()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible")
+        train_gpus, rollout_gpus = gpu_placement(train.world_size, rollout.world_size, args.placement,
+                                                 torch.cuda.device_count())
+    bucket_bytes = int(args.bucket_gb * (1 << 30))
+    inputs = build_inputs(spec, train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout)
+    sources = sorted({b.src_rank for b in plan_broadcast(inputs, bucket_bytes=bucket_bytes, dst_rank=0).buckets})
+    if "broadcast" in modes:
+        why = broadcast_skip_reason(args.device, train_gpus, rollout_gpus, sources)
+        if why is not None:
+            notes.append("broadcast skipped: " + why)
+            modes = tuple(m for m in modes if m != "broadcast")
+    transport = args.transport if args.transport != "auto" else ("cuda_ipc" if args.device == "cuda" else "shm")
+    cfg = BenchConfig(model=args.model, scale=args.scale, train=train, rollout=rollout, device=args.device,
+                      modes=modes, repeats=args.repeats, bucket_bytes=bucket_bytes, seed=args.seed,
+                      master_port=free_port(), group_ports={s: free_port() for s in sources},
+                      train_gpus=train_gpus, rollout_gpus=rollout_gpus, transport=transport, threads=args.threads,
+                      timeout_s=args.timeout)
+    return cfg, notes
+
+
+def run_processes(cfg: Any) -> list[dict[str, Any]]:
+    """Spawn one process per trainer and rollout rank, collect their results (rank order).
+
+    Raises:
+        RuntimeError: a process failed (its traceback is in the message) or the benchmark ran past
+            its timeout; every process is stopped first.
+    """
+    import torch.multiprocessing as mp
+
+    from weightsync.launch.bench_worker import rank_main
+
+    os.environ.update(GPU_ENV)  # spawned children inherit it
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, cfg, results), daemon=True) for r in range(cfg.world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict[str, Any]] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + cfg.timeout_s + 30
+    try:
+        while len(got) + len(errors) < len(procs):
+            if errors and time.monotonic() > deadline:
+                break
+            try:
+                rank, status, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+                if dead and not errors:
+                    errors[dead[0]] = f"exit code {procs[dead[0]].exitcode}"
+                    deadline = time.monotonic() + 5.0
+                if time.monotonic() > deadline:
+                    break
+                continue
+            if status == "ok":
+                got[rank] = payload
+                continue
+            if not errors:  # the others usually fail in turn (a peer closed): give them a moment
+                deadline = time.monotonic() + 5.0
+            errors[rank] = payload
+        if errors:
+            text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            raise RuntimeError(f"benchmark ranks {sorted(errors)} failed:\n{text}")
+        if len(got) < len(procs):
+            raise RuntimeError(f"benchmark did not finish in {cfg.timeout_s + 30:.0f} s")
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+    return [got[r] for r in range(len(procs))]
+
+
+def _gbps(nbytes: float, seconds: float) -> float | None:
+    return nbytes / seconds / 1e9 if seconds > 0 else None
+
+
+def _timed_runs(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Per run (warm-up first): the slowest process's window, and the trainer maxima/sums."""
+    out = []
+    for i in range(len(ranks[0][key]["runs"] if "runs" in ranks[0][key] else ranks[0][key])):
+        rows = [(r[key]["runs"] if "runs" in r[key] else r[key])[i] for r in ranks]
+        tr = [row for row, r in zip(rows, ranks, strict=True) if r["role"] == "trainer"]
+        out.append({"window_s": max(row["window_s"] for row in rows), "warmup": rows[0]["warmup"],
+                    "wire_s": max((row.get("wire_s", row.get("own_s", 0.0)) for row in tr), default=0.0),
+                    "pack_s": max((row.get("pack_s", 0.0) for row in tr), default=0.0)})
+    return out
+
+
+def _stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    timed = [r for r in runs if not r["warmup"]] or runs
+    first = runs[0]["window_s"]
+    best = min(r["window_s"] for r in timed)
+    return {"first_s": first, "best_s": best, "mean_s": sum(r["window_s"] for r in timed) / len(timed),
+            "best_wire_s": min(r["wire_s"] for r in timed), "best_pack_s": min(r["pack_s"] for r in timed),
+            "runs_s": [r["window_s"] for r in timed]}
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (with ``+dirty`` when tracked files changed), or None outside git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def _local_copy(lc: dict[str, Any] | None) -> dict[str, Any]:
+    if not lc:
+        return {}
+    out: dict[str, Any] = {"bytes": lc["bytes"]}
+    for key in ("memmove_s", "same_gpu_s", "peer_gpu_s"):
+        if key in lc:
+            out[key] = lc[key]
+            out[key.removesuffix("_s") + "_gbps"] = _gbps(lc["bytes"], lc[key])
+    if "peer_gpu" in lc:
+        out["peer_gpu"] = lc["peer_gpu"]
+    return out
+
+
+def _checks(engines: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    checks = [e[key]["check"] for e in engines]
+    return {"ok": all(c["mismatched"] == 0 for c in checks), "params_checked": sum(c["params"] for c in checks),
+            "mismatched": {str(e["local_rank"]): c["names"] for e, c in zip(engines, checks, strict=True)
+                           if c["mismatched"]}}
+
+
+def _p2p_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    trainers = [r for r in results if r["role"] == "trainer"]
+    engines = [r for r in results if r["role"] == "engine"]
+    st = _stats(_timed_runs(results, "p2p"))
+    by_dest: dict[int, int] = {}
+    for t in trainers:
+        for d, n in t["p2p"]["runs"][-1]["bytes_by_dest"].items():
+            by_dest[int(d)] = by_dest.get(int(d), 0) + n
+    total = sum(by_dest.values())
+    mem = _stats(_timed_runs(results, "memcpy"))
+    mem_bytes = sum(t["memcpy"][-1]["bytes"] for t in trainers)
+    memcpy = {**mem, "bytes": mem_bytes, "gbps": _gbps(mem_bytes, mem["best_wire_s"]),
+              "window_gbps": _gbps(mem_bytes, mem["best_s"])}
+    p2p = {**st, "bytes_total": total, "bytes_per_receiver": {str(d): n for d, n in sorted(by_dest.items())},
+           "shard_bytes": {str(e["local_rank"]): e["shard_bytes"] for e in engines},
+           "gbps": _gbps(total, st["best_s"]), "wire_gbps": _gbps(total, st["best_wire_s"]),
+           "ops": sum(t["ops"] for t in trainers), "staged_ops": sum(t["staged_ops"] for t in trainers),
+           "plan_s": max(t["plan_s"] for t in trainers), "sender_setup_s": max(t["sender_s"] for t in trainers),
+           "check": _checks(engines, "p2p")}
+    return {"memcpy": memcpy, "p2p": p2p}
+
+
+def _broadcast_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    engines = [r for r in results if r["role"] == "engine"]
+    st = _stats(_timed_runs(results, "broadcast"))
+    per_rx = {str(e["local_rank"]): int(e["broadcast"]["runs"][-1]["bytes"]) for e in engines}
+    total = sum(per_rx.values())
+    return {**st, "bytes_total": total, "bytes_per_receiver": per_rx, "gbps": _gbps(total, st["best_s"]),
+            "buckets": engines[0]["broadcast"]["buckets"], "check": _checks(engines, "broadcast")}
+
+
+def summarize(cfg: Any, results: list[dict[str, Any]], notes: list[str]) -> dict[str, Any]:
+    """The benchmark's JSON record from every process's result."""
+    from dataclasses import asdict
+
+    out: dict[str, Any] = {
+        "model": cfg.model, "scale": cfg.scale, "train": asdict(cfg.train), "rollout": asdict(cfg.rollout),
+        "device": cfg.device, "transport": cfg.transport, "modes": list(cfg.modes), "repeats": cfg.repeats,
+        "bucket_bytes": cfg.bucket_bytes, "train_gpus": list(cfg.train_gpus), "rollout_gpus": list(cfg.rollout_gpus),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "host": platform.node(),
+        "cpus": os.cpu_count(), "commit": git_commit(), "notes": notes,
+        "set_up_s": max(r["set_up_s"] for r in results),
+        "local_copy": _local_copy(results[0].get("local_copy")),
+    }
+    if "p2p" in cfg.modes:
+        out.update(_p2p_summary(results))
+        out["ratio_wire_to_memcpy"] = (out["p2p"]["wire_gbps"] or 0) / (out["memcpy"]["gbps"] or float("inf"))
+    if "broadcast" in cfg.modes:
+        out["broadcast"] = _broadcast_summary(results)
+    if "p2p" in out and "broadcast" in out:
+        out["speedup_p2p_vs_broadcast"] = out["broadcast"]["best_s"] / out["p2p"]["best_s"]
+    out["verified"] = all(out[m]["check"]["ok"] for m in ("p2p", "broadcast") if m in out)
+    return out
+
+
+def _row(what: str, per_rx: float | None, total: float, best: float, mean: float | None, first: float | None,
+         gbps: float | None) -> str:
+    def f(x: float | None, spec: str) -> str:
+        return format(x, spec) if x is not None else format("-", ">" + spec.split(".")[0])
+
+    return (f"{what:<34} {f(per_rx and per_rx / 1e9, '9.3f')} {total / 1e9:9.3f} {best:9.4f} {f(mean, '9.4f')} "
+            f"{f(first, '9.4f')} {f(gbps, '9.2f')}")
+
+
+def format_table(s: dict[str, Any]) -> str:
+    """The human-readable table of a :func:`summarize` record."""
+    lines = [f"{'':<34} {'GB/recv':>9} {'GB total':>9} {'best s':>9} {'mean s':>9} {'first s':>9} {'GB/s':>9}"]
+    lc = s["local_copy"]
+    for key, label in (("memmove", "copy in one process (memmove)"), ("same_gpu", "copy within one GPU"),
+                       ("peer_gpu", f"copy GPU->GPU in one process ({lc.get('peer_gpu', '')})")):
+        if key + "_s" in lc:
+            lines.append(_row(label, None, lc["bytes"], lc[key + "_s"], None, None, lc[key + "_gbps"]))
+    if "memcpy" in s:
+        m = s["memcpy"]
+        lines.append(_row(f"copy between processes ({s['transport']})", None, m["bytes"], m["best_wire_s"], None,
+                          m["first_s"], m["gbps"]))
+    if "p2p" in s:
+        p = s["p2p"]
+        per = max(p["bytes_per_receiver"].values(), default=0)
+        lines.append(_row("p2p update", per, p["bytes_total"], p["best_s"], p["mean_s"], p["first_s"], p["gbps"]))
+        lines.append(_row("  p2p wire (slowest sender)", None, p["bytes_total"], p["best_wire_s"], None, None,
+                          p["wire_gbps"]))
+    if "broadcast" in s:
+        b = s["broadcast"]
+        per = max(b["bytes_per_receiver"].values(), default=0)
+        lines.append(_row("broadcast update", per, b["bytes_total"], b["best_s"], b["mean_s"], b["first_s"],
+                          b["gbps"]))
+    tail = []
+    if "ratio_wire_to_memcpy" in s:
+        tail.append(f"p2p wire / copy between processes: {s['ratio_wire_to_memcpy']:.2f}")
+    if "speedup_p2p_vs_broadcast" in s:
+        tail.append(f"p2p vs broadcast: {s['speedup_p2p_vs_broadcast']:.2f}x")
+    checks = [f"{m} {'bit-exact' if s[m]['check']['ok'] else 'MISMATCH'}" for m in ("p2p", "broadcast") if m in s]
+    lines.append("   ".join(tail + checks))
+    lines.extend(f"note: {n}" for n in s["notes"])
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg, notes = build_config(args)
+    except ValueError as exc:
+        print(f"weightsync bench: {exc}", file=sys.stderr)
+        return 2
+    print(f"weightsync bench {cfg.model} {cfg.scale}: train {args.train} ({cfg.train.world_size} ranks) -> rollout "
+          f"{args.rollout} ({cfg.rollout.world_size} ranks), {cfg.device}/{cfg.transport}, modes {'+'.join(cfg.modes)}, "
+          f"{cfg.repeats} timed runs after a warm-up", flush=True)
+    for n in notes:
+        print(f"note: {n}", flush=True)
+    t0 = time.perf_counter()
+    results = run_processes(cfg)
+    summary = summarize(cfg, results, notes)
+    summary["wall_s"] = time.perf_counter() - t0
+    print(format_table(summary), flush=True)
+    line = json.dumps(summary, sort_keys=True)
+    print("BENCH_JSON " + line, flush=True)
+    if args.out:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(line + "\n")
+    if not summary["verified"]:
+        print("weightsync bench: an engine rank's parameters differ from the expected values", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,465 @@
+"""One process of the transfer benchmark: a trainer rank or an engine rank, run as one SPMD script.
+
+Every process of a benchmark runs :func:`rank_main`; they meet in one gloo process group
+(trainer ranks ``0 .. T-1``, engine ranks ``T .. T+R-1``: the trainer ranks keep their Megatron
+rank numbers, which the broadcast sender's gather relies on) and go through the same steps::
+
+    set_up       trainer: its Megatron-layout shards, filled with the global values
+                 engine:  its sglang-layout parameters in one transport arena, registered once
+    exchange     engines publish (descriptor, parameter addresses); trainers plan their ops
+    local_copy   trainer 0 only: a plain copy of the update's bytes inside one process
+    memcpy       the link's own rate: each trainer writes the bytes it sends in p2p, as one run
+                 per destination, through the same transport into the same arenas
+    p2p          warm-up + repeats x (poison engines, barrier, send, barrier); bit-exact check
+    broadcast    warm-up + repeats x (poison, barrier, bucket by bucket gather + broadcast +
+                 keep pieces, barrier); bit-exact check
+
+Each timed window runs from a barrier of every process to the next one (GPU work synchronized
+before it). The result goes back to the launcher through a queue as ``(rank, "ok", dict)`` or
+``(rank, "error", traceback)``.
+
+Nothing here imports megatron, mooncake, fastapi, pydantic, httpx or xxhash (the GPU machines
+lack some of them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.launch.bench_data import GlobalData, compare, expected_store, fill_params, poison
+from weightsync.layout.box import box_volume
+from weightsync.layout.megatron import trainer_layout
+from weightsync.layout.parallel import Device, RolloutParallel, TrainParallel
+from weightsync.layout.sglang import engine_layout
+from weightsync.models import get_model
+from weightsync.models.hf import DTYPE_BYTES
+from weightsync.plan.inputs import PlanInputs, build_inputs
+from weightsync.rollout.params import ParamStore
+
+log = logging.getLogger(__name__)
+
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""Set in every process the benchmark spawns: NVLink multicast stays off on shared GPU hosts."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    """Everything a benchmark process needs (picklable)."""
+
+    model: str
+    scale: str
+    train: TrainParallel
+    rollout: RolloutParallel
+    device: str
+    """``cpu`` or ``cuda``."""
+    modes: tuple[str, ...]
+    """``p2p`` and/or ``broadcast``."""
+    repeats: int
+    """Timed runs per mode, after one warm-up run."""
+    bucket_bytes: int
+    seed: int
+    master_port: int
+    group_ports: dict[int, int] = field(default_factory=dict)
+    """Broadcast: stage source trainer rank -> port of its weight-update group's store."""
+    train_gpus: tuple[int, ...] = ()
+    """CUDA: GPU of each trainer rank."""
+    rollout_gpus: tuple[int, ...] = ()
+    """CUDA: GPU of each rollout rank."""
+    transport: str = "shm"
+    threads: int = 1
+    """torch CPU threads per process."""
+    local_copy_bytes: int = 4 << 30
+    """Cap of the in-process copy reference."""
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if not self.modes or any(m not in ("p2p", "broadcast") for m in self.modes):
+            raise ValueError(f"modes must be p2p and/or broadcast, got {self.modes}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.device == "cuda" and (len(self.train_gpus) != self.train.world_size
+                                      or len(self.rollout_gpus) != self.rollout.world_size):
+            raise ValueError("a CUDA benchmark needs a GPU for every trainer and rollout rank")
+
+    @property
+    def world_size(self) -> int:
+        return self.train.world_size + self.rollout.world_size
+
+    def placement(self) -> tuple[list[Device], list[Device]]:
+        """Devices for the planner: the GPUs on CUDA, distinct slots on CPU."""
+        if self.device == "cuda":
+            return [Device(0, g) for g in self.train_gpus], [Device(0, g) for g in self.rollout_gpus]
+        t = self.train.world_size
+        return [Device(0, i) for i in range(t)], [Device(0, t + i) for i in range(self.rollout.world_size)]
+
+
+class _Block:
+    """An ``ArenaLike`` that hands one preallocated buffer to :class:`ParamStore`."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        assert dtype == torch.uint8 and tuple(shape) == (self.buf.numel(),)
+        return self.buf
+
+
+def _best_copy(copy: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
+    """Best time of ``repeats`` runs of ``copy`` after one warm-up (``sync`` ends each run)."""
+    copy()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class BenchRank:
+    """The state of one benchmark process (see the module docstring)."""
+
+    def __init__(self, cfg: BenchConfig, rank: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.is_trainer = rank < cfg.train.world_size
+        self.local = rank if self.is_trainer else rank - cfg.train.world_size
+        """Trainer rank, or global rollout rank (engine ``e`` rank ``r`` is ``e * tp + r``)."""
+        if cfg.device == "cuda":
+            gpu = cfg.train_gpus[self.local] if self.is_trainer else cfg.rollout_gpus[self.local]
+            torch.cuda.set_device(gpu)
+            self.device = torch.device(f"cuda:{gpu}")
+        else:
+            self.device = torch.device("cpu")
+        self.spec = get_model(cfg.model, cfg.scale)
+        self.inputs: PlanInputs = build_inputs(self.spec, cfg.train, cfg.rollout, trainer_layout=trainer_layout,
+                                               engine_layout=engine_layout, placement=cfg.placement())
+        self.data = GlobalData(self.inputs.globals, seed=cfg.seed, device=self.device)
+        self.store: ParamStore | None = None
+        self.source = torch.empty(0, dtype=torch.uint8)
+        """Trainer: the one buffer every parameter is a view of (registered as the write source)."""
+        self.expected: ParamStore | None = None
+        self.receiver: Any = None
+        self.sender: Any = None
+        self.ops: list[Any] = []
+        self.out: dict[str, Any] = {"rank": rank, "role": "trainer" if self.is_trainer else "engine",
+                                    "local_rank": self.local, "device": str(self.device)}
+
+    # -- helpers ------------------------------------------------------------------------------
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        self.sync()
+        dist.barrier()
+
+    def gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.cfg.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def new_transport(self) -> Any:
+        from weightsync.transport import make_transport
+
+        if self.cfg.transport == "cuda_ipc":
+            return make_transport("cuda_ipc", device=self.device.index)
+        return make_transport(self.cfg.transport)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        assert self.store is not None
+        return dict(self.store.items())
+
+    # -- set-up -------------------------------------------------------------------------------
+    def set_up(self) -> None:
+        """Trainer: allocate and fill the shards. Engine: arena, registration, expected values."""
+        t0 = time.perf_counter()
+        if self.is_trainer:
+            layout = list(self.inputs.source_layouts[self.local])
+            self.source = torch.empty(ParamStore.required_bytes(layout), dtype=torch.uint8, device=self.device)
+            self.store = ParamStore(layout, self.device, arena=_Block(self.source))
+            self.out["param_bytes"] = fill_params(self.data, layout, self.params())
+        else:
+            from weightsync.rollout.receiver import Receiver
+
+            layout = list(self.inputs.dest_layout(self.local))
+            self.receiver, self.store = Receiver.open(self.cfg.transport, layout, device=self.device,
+                                                      rank=self.local % self.cfg.rollout.tp)
+            self.expected = expected_store(self.data, self.store, self.spec)
+            self.out["shard_bytes"] = sum(box_volume(p.local_box) * DTYPE_BYTES[t.dtype]
+                                          for t in layout if not t.derived for p in t.pieces)
+        self.sync()
+        self.out["set_up_s"] = time.perf_counter() - t0
+
+    def exchange(self) -> dict[int, dict[str, Any]]:
+        """All-gather what every engine rank publishes, by rollout rank; trainers plan their ops."""
+        mine = None
+        if not self.is_trainer:
+            assert self.store is not None
+            mine = {"descriptor": self.receiver.descriptor(), "weights": self.store.transfer_info()}
+        infos = {r - self.cfg.train.world_size: g for r, g in enumerate(self.gather(mine)) if g is not None}
+        if self.is_trainer and "p2p" in self.cfg.modes:
+            from weightsync.plan.p2p import plan_p2p_for_rank
+
+            t0 = time.perf_counter()
+            self.ops = list(plan_p2p_for_rank(self.inputs, src_rank=self.local).ops)
+            self.out.update(plan_s=time.perf_counter() - t0, ops=len(self.ops),
+                            staged_ops=sum(1 for op in self.ops if op.transform is not None))
+        return infos
+
+    def bytes_by_dest(self) -> dict[int, int]:
+        """Bytes this trainer's ops write into each rollout rank."""
+        itemsize: dict[tuple[int, str], int] = {}
+        for r in range(self.cfg.rollout.tp):
+            for t in self.inputs.engine_layouts[r]:
+                itemsize[(r, t.name)] = DTYPE_BYTES[t.dtype]
+        out: dict[int, int] = defaultdict(int)
+        for op in self.ops:
+            out[op.dst_rank] += box_volume(op.dst_box) * itemsize[(op.dst_rank % self.cfg.rollout.tp, op.dst_param)]
+        return dict(out)
+
+    def build_sender(self, infos: dict[int, dict[str, Any]]) -> None:
+        from weightsync.trainer.sender import P2PSender, dest_rank_from_info
+
+        t0 = time.perf_counter()
+        needed = sorted({op.dst_rank for op in self.ops})
+        dests = {r: dest_rank_from_info(r, infos[r], self.inputs.dest_layout(r)) for r in needed}
+        blocks = {g.name: g.block for g in self.inputs.globals.values() if g.block is not None and g.quant_of is None}
+        self.sender = P2PSender(self.ops, self.params(), self.new_transport(), dests,
+                                bucket_bytes=self.cfg.bucket_bytes, source_regions=[("params", self.source)],
+                                fp8_blocks=blocks)
+        self.out["sender_s"] = time.perf_counter() - t0
+
+    # -- references ---------------------------------------------------------------------------
+    def local_copy(self, nbytes: int) -> dict[str, Any] | None:
+        """Trainer 0: best plain copy of ``nbytes`` (capped) in this process (others: None).
+
+        CPU: one ``memmove`` (the shm transport's primitive). CUDA: this GPU to the first rollout
+        rank's GPU (peer copy over NVLink when they differ) and within this GPU.
+        """
+        if self.rank != 0 or nbytes <= 0:
+            return None
+        n = min(nbytes, self.cfg.local_copy_bytes)
+        src = torch.empty(n, dtype=torch.uint8, device=self.device)
+        for off in range(0, n, self.source.numel()):  # random bytes: never time zeros
+            k = min(self.source.numel(), n - off)
+            src[off:off + k].copy_(self.source[:k])
+        out: dict[str, Any] = {"bytes": n}
+        if self.device.type == "cpu":
+            dst = torch.ones(n, dtype=torch.uint8)
+            out["memmove_s"] = _best_copy(lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), n), lambda: None, 3)
+            return out
+        peer = torch.device(f"cuda:{self.cfg.rollout_gpus[0]}")
+        for name, dev in (("same_gpu_s", self.device), ("peer_gpu_s", peer)):
+            if name == "peer_gpu_s" and peer == self.device:
+                continue
+            dst = torch.ones(n, dtype=torch.uint8, device=dev)
+
+            def sync(d: torch.device = dev) -> None:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.synchronize(d)
+
+            out[name] = _best_copy(lambda d=dst: d.copy_(src, non_blocking=True), sync, 5)
+            del dst
+        out["peer_gpu"] = str(peer)
+        del src
+        torch.cuda.empty_cache()
+        return out
+
+    def memcpy(self, infos: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        """The link's rate: every trainer writes the bytes it sends each rollout rank in p2p as one
+        contiguous run (disjoint destination ranges), concurrently, through the transport."""
+        from weightsync.transport import PeerDescriptor
+
+        mine = self.bytes_by_dest() if self.is_trainer else {}
+        everyone = self.gather(mine)
+        transport = self.new_transport() if self.is_trainer else None
+        batches = []
+        try:
+            if transport is not None:
+                transport.register_tensor("source", self.source)
+                for d, n in sorted(mine.items()):
+                    desc = PeerDescriptor.from_json(infos[d]["descriptor"])
+                    region = desc.regions[0]
+                    off = sum(everyone[t].get(d, 0) for t in range(self.local))
+                    n = min(n, self.source.numel(), region.nbytes - off)
+                    if n > 0:
+                        peer = transport.connect(desc)
+                        batches.append(transport.prepare(peer, [(self.source.data_ptr(), region.addr + off, n)]))
+            return self._timed(lambda: self._write_all(transport, batches), warmup=True, before=self._poison)
+        finally:
+            if transport is not None:
+                transport.close()
+            if self.store is not None and not self.is_trainer:
+                for _, t in self.store.items():  # the runs also covered padding, which must stay zero
+                    t.zero_()
+
+    def _write_all(self, transport: Any, batches: list[Any]) -> dict[str, Any]:
+        if transport is None:
+            return {}
+        from weightsync.transport import deadline_after
+
+        t0 = time.perf_counter()
+        deadline = deadline_after(self.cfg.timeout_s)
+        for h in [transport.write(b.peer, b) for b in batches]:
+            transport.wait(h, deadline)
+        return {"own_s": time.perf_counter() - t0, "bytes": sum(b.nbytes for b in batches)}
+
+    # -- the two modes ------------------------------------------------------------------------
+    def _timed(self, body: Callable[[], dict[str, Any]], *, warmup: bool,
+               before: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+        """Run ``body`` between two barriers of every process, once untimed-labelled as warm-up
+        (when ``warmup``) and ``repeats`` times; ``before`` runs outside each window."""
+        rows = []
+        for i in range(self.cfg.repeats + (1 if warmup else 0)):
+            if before is not None:
+                before()
+            self.barrier()
+            t0 = time.perf_counter()
+            row = body()
+            self.barrier()
+            row["window_s"] = time.perf_counter() - t0
+            row["warmup"] = warmup and i == 0
+            rows.append(row)
+        return rows
+
+    def _poison(self) -> None:
+        if not self.is_trainer:
+            assert self.store is not None
+            poison(self.store)
+
+    def check(self) -> dict[str, Any] | None:
+        """Engine: compare every parameter with the expected bytes (trainer: None)."""
+        if self.is_trainer:
+            return None
+        assert self.store is not None and self.expected is not None
+        bad = compare(self.store, self.expected)
+        return {"params": len(self.store.names()), "mismatched": len(bad), "names": bad[:10]}
+
+    def p2p(self) -> dict[str, Any]:
+        def body() -> dict[str, Any]:
+            if not self.is_trainer:
+                return {}
+            s = self.sender.send(deadline_s=self.cfg.timeout_s)
+            return {"send_s": s.total_s, "pack_s": s.pack_s, "wire_s": s.wire_s, "bytes": s.nbytes,
+                    "bytes_by_dest": s.bytes_by_dest}
+
+        runs = self._timed(body, warmup=True, before=self._poison)
+        return {"runs": runs, "check": self.check()}
+
+    def broadcast(self) -> dict[str, Any]:
+        from weightsync.plan.broadcast import plan_broadcast
+        from weightsync.trainer.broadcast import announcement
+
+        buckets = plan_broadcast(self.inputs, bucket_bytes=self.cfg.bucket_bytes, dst_rank=0).buckets
+        names = {s: f"weightsync_bench_src{s}" for s in self.cfg.group_ports}
+        endpoint = self._join_broadcast(names)
+        anns = [announcement(self.inputs, b.names) for b in buckets]
+
+        def body() -> dict[str, Any]:
+            acc: dict[str, Any] = defaultdict(float)
+            for b, (n, d, s) in zip(buckets, anns, strict=True):
+                if self.is_trainer:
+                    r = endpoint.send_bucket(b.names)
+                    acc["pack_s"] += r["pack_s"]
+                    acc["wire_s"] += r["wire_s"]
+                    acc["bytes"] += r["bytes"]
+                else:
+                    r = endpoint.receive(names=n, dtypes=d, shapes=s, group_name=names[b.src_rank])
+                    acc["bytes"] += r["nbytes"]
+            return dict(acc)
+
+        try:
+            runs = self._timed(body, warmup=True, before=self._poison)
+            return {"runs": runs, "check": self.check(), "buckets": len(buckets)}
+        finally:
+            group = getattr(endpoint, "group", None)
+            if group is not None and hasattr(group, "shutdown"):
+                group.shutdown()  # BroadcastSender.close() only drops it; NCCL wants an explicit shutdown
+            endpoint.close()
+
+    def _join_broadcast(self, names: dict[int, str]) -> Any:
+        """Trainer: its BroadcastSender (sources host the groups). Engine: a BroadcastReceiver
+        that joined every source's group."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        world = 1 + self.cfg.rollout.world_size
+        if self.is_trainer:
+            from weightsync.trainer.broadcast import BroadcastSender
+
+            group = {"master_address": "127.0.0.1", "world_size": world, "backend": backend,
+                     "ports": {str(s): p for s, p in self.cfg.group_ports.items()},
+                     "group_names": {str(s): n for s, n in names.items()}}
+            layout = list(self.inputs.source_layouts[self.local])
+            return BroadcastSender(self.spec, self.inputs, self.local, layout, self.params(), group=group,
+                                   device=self.cfg.device)
+        from weightsync.rollout.broadcast import BroadcastReceiver
+
+        assert self.store is not None
+        tp = self.cfg.rollout.tp
+        receiver = BroadcastReceiver(self.store, self.spec, self.local % tp)
+        for s in sorted(self.cfg.group_ports):
+            receiver.init_group(master_address="127.0.0.1", master_port=self.cfg.group_ports[s],
+                                rank_offset=1 + (self.local // tp) * tp, world_size=world, group_name=names[s],
+                                backend=backend)
+        return receiver
+
+    def close(self) -> None:
+        for obj in (self.sender, self.receiver):
+            if obj is not None:
+                obj.close()
+        self.sender = self.receiver = None
+
+
+def run_rank(bench: BenchRank) -> dict[str, Any]:
+    """The benchmark steps of one process (module docstring); collective over all processes."""
+    cfg = bench.cfg
+    bench.set_up()
+    infos = bench.exchange()
+    out = bench.out
+    total = sum(sum(x.values()) for x in bench.gather(bench.bytes_by_dest() if bench.is_trainer else {}))
+    out["local_copy"] = bench.local_copy(total or int(out.get("param_bytes", 0)))
+    bench.barrier()
+    if "p2p" in cfg.modes:
+        out["memcpy"] = bench.memcpy(infos)
+        if bench.is_trainer:
+            bench.build_sender(infos)
+        out["p2p"] = bench.p2p()
+    if "broadcast" in cfg.modes:
+        out["broadcast"] = bench.broadcast()
+    bench.barrier()
+    return out
+
+
+def rank_main(rank: int, cfg: BenchConfig, results: Any) -> None:
+    """Entry point of a spawned benchmark process; puts one result on ``results``."""
+    os.environ.update(GPU_ENV)
+    logging.basicConfig(level=logging.INFO, format=f"[bench rank{rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.threads)
+    bench: BenchRank | None = None
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank,
+                                world_size=cfg.world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        bench = BenchRank(cfg, rank)
+        results.put((rank, "ok", run_rank(bench)))
+    except Exception:  # noqa: BLE001 -- shipped to the launcher with the traceback, which re-raises
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if bench is not None:
+            bench.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
