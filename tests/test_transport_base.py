@@ -202,3 +202,13 @@ def test_factory() -> None:
     assert transport_class("dist").one_sided is False
     assert transport_class("shm").dest_needs_arena is True
     assert HOST == -1
+
+
+def test_ipc_handle_bytes_round_trip_keeps_nul_bytes() -> None:
+    """CUDA IPC handles hold NUL bytes; the ctypes record must carry all 64 (no GPU needed)."""
+    from weightsync.transport._cuda import IpcMemHandle
+
+    raw = bytes([0, 7, 0, 255] * 16)
+    assert IpcMemHandle.from_bytes(raw).to_bytes() == raw
+    with pytest.raises(ValueError, match="64 bytes"):
+        IpcMemHandle.from_bytes(raw[:10])

@@ -34,15 +34,34 @@ _sz = ctypes.c_size_t
 
 
 class IpcMemHandle(ctypes.Structure):
-    """``cudaIpcMemHandle_t``: 64 opaque bytes, passed by value."""
+    """``cudaIpcMemHandle_t``: 64 opaque bytes, passed by value.
 
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+    ``c_byte``, not ``c_char``: reading a ``c_char`` array stops at the first NUL, and handles
+    contain NULs. Convert with :meth:`to_bytes` / :meth:`from_bytes`.
+    """
+
+    _fields_ = [("reserved", ctypes.c_byte * IPC_HANDLE_BYTES)]
+
+    def to_bytes(self) -> bytes:
+        return ctypes.string_at(ctypes.addressof(self), IPC_HANDLE_BYTES)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> IpcMemHandle:
+        if len(data) != IPC_HANDLE_BYTES:
+            raise ValueError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(data)}")
+        return cls.from_buffer_copy(data)
 
 
 class PointerAttributes(ctypes.Structure):
-    """``cudaPointerAttributes`` as of CUDA 11 and later."""
+    """``cudaPointerAttributes`` as of CUDA 11 and later, with spare room should it grow."""
 
-    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("devicePointer", _vp), ("hostPointer", _vp)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("devicePointer", _vp),
+        ("hostPointer", _vp),
+        ("spare", ctypes.c_byte * 64),
+    ]
 
 
 def cuda_runtime_available() -> bool:
@@ -148,12 +167,11 @@ class CudaRuntime:
                 f"cudaIpcGetMemHandle({base:#x}) (memory from torch's expandable segments cannot be exported: "
                 f"run the owner with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)",
             )
-        return bytes(handle.reserved)
+        return handle.to_bytes()
 
     def ipc_open(self, handle: bytes, device: int) -> int:
         """Map a peer allocation into ``device``'s context (the writer's: copies then run at link rate)."""
-        h = IpcMemHandle()
-        h.reserved = handle
+        h = IpcMemHandle.from_bytes(handle)
         ptr = _vp()
         with self.on_device(device):
             ret = self.rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, IPC_LAZY_ENABLE_PEER_ACCESS)
