@@ -152,3 +152,18 @@ def test_serve_cli_options_are_pinned() -> None:
     }
     args = parser.parse_args(["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--dp", "2"])
     assert (args.model, args.host, args.load_format, args.checkpoint) == ("GLM-5", "127.0.0.1", None, None)
+
+
+@pytest.mark.timeout(180)
+def test_dead_rank_ends_the_engine(free_port: int, tmp_path: Path) -> None:
+    """Rank 0 cannot leave a collective whose peer died: when a rank process dies, rank 0 exits
+    with status 1 instead of hanging."""
+    log = tmp_path / "serve.log"
+    args = ["Qwen3-4B", "--scale", "tiny", "--tp", "2", "--load-format", "dummy"]
+    with _serve(args, free_port, log) as proc:
+        _wait_answer(proc, free_port, 120.0, log)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(workers) == 1, children
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1

@@ -13,7 +13,8 @@ DSA (GLM-5): the indexer scores every cached key with ``sum_h w_h * relu(q_h . k
 query attends only to its ``index_topk`` best keys (all keys while a row is shorter than
 ``index_topk``). Computed in the compute dtype, without the fp8 activation quantization of
 sglang's kernel; the Hadamard rotation sglang applies to both sides is orthogonal and leaves
-``q . k`` unchanged, so it is skipped.
+``q . k`` unchanged, so it is skipped. Exact ties (keys whose every head score is clipped to 0
+by the ReLU) go to the earlier key, on every device.
 
 Legend: ``B`` batch, ``S`` query positions, ``T`` cached positions, ``h`` local heads,
 ``d`` head dim, ``c`` kv_lora_rank, ``r`` rope dims.
@@ -193,7 +194,9 @@ def dsa_select(
     logits = torch.einsum("bshd,btd->bsht", q.float(), cache["index_k"][:, :t].float()).relu()
     score = (logits * head_w[..., None]).sum(dim=2) * dim**-0.5
     score = score.masked_fill(~allowed, float("-inf"))
-    top = score.topk(min(spec.index_topk, t), dim=-1).indices
+    # Stable sort, not topk: keys whose head scores are all clipped to 0 tie exactly, and the
+    # selection must not depend on the device's topk kernel (ties go to earlier keys).
+    top = score.sort(dim=-1, descending=True, stable=True).indices[..., : spec.index_topk]
     return torch.zeros_like(allowed).scatter_(-1, top, True)
 
 

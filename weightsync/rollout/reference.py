@@ -147,7 +147,7 @@ class Reference:
         score = (torch.einsum("qhd,kd->qhk", q, k).relu() * head_w[..., None]).sum(1) / math.sqrt(dim)
         steps = score.shape[0]
         score = score.masked_fill(~torch.ones(steps, steps, dtype=torch.bool).tril(), float("-inf"))
-        top = score.topk(min(s.index_topk, steps), dim=-1).indices
+        top = score.sort(dim=-1, descending=True, stable=True).indices[:, : s.index_topk]  # ties: earlier key
         return torch.zeros(steps, steps, dtype=torch.bool).scatter_(-1, top, True)
 
     def _ffn(self, m: str, h: torch.Tensor) -> torch.Tensor:

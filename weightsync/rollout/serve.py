@@ -5,7 +5,8 @@ engine's process group with them (gloo on CPU, NCCL on CUDA; ``tcp://127.0.0.1``
 one host), every rank allocates and loads its own parameters, and rank 0 serves HTTP and drives
 the others (:mod:`weightsync.rollout.control`). Ctrl-C (or SIGTERM) stops the server, releases
 the workers and tears the process group down (exit status 0); ranks > 0 die with rank 0 if it is
-killed outright (Linux ``PR_SET_PDEATHSIG``).
+killed outright (Linux ``PR_SET_PDEATHSIG``), and rank 0 ends the engine (exit status 1) if a rank
+process dies, since it cannot leave a collective with a dead peer.
 
 Typical usage::
 
@@ -22,6 +23,8 @@ import logging
 import os
 import signal
 import socket
+import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -206,9 +209,13 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
         ]
         for p in procs:
             p.start()
+    watching = threading.Event()
+    if procs:
+        watching.set()
+        threading.Thread(target=_watch_workers, args=(procs, watching), name="rank-watchdog", daemon=True).start()
     engine = build_rank(cfg, spec, par, 0, port)
     try:
-        _serve(cfg, engine, par, log_level)
+        _serve(cfg, engine, par, log_level, watching)
     finally:
         finish_rank(engine)
         for p in procs:
@@ -217,6 +224,20 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
                 logger.warning("engine rank process %s did not exit; terminating it", p.name)
                 p.terminate()
     return 0
+
+
+def _watch_workers(procs: list[Any], watching: threading.Event) -> None:
+    """Rank 0 cannot leave a collective whose peer died: end the whole engine instead.
+
+    Runs until ``watching`` is cleared (just before a normal shutdown releases the workers).
+    """
+    while watching.is_set():
+        for p in procs:
+            if p.exitcode is not None and watching.is_set():
+                logger.error("engine rank process %s exited (code %s); stopping the engine", p.name, p.exitcode)
+                logging.shutdown()
+                os._exit(1)
+        time.sleep(0.5)
 
 
 def _worker_main(cfg: ServeConfig, rank: int, port: int) -> None:
@@ -234,7 +255,7 @@ def _worker_main(cfg: ServeConfig, rank: int, port: int) -> None:
         finish_rank(engine)
 
 
-def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str) -> None:
+def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: threading.Event) -> None:
     import uvicorn
 
     from weightsync.rollout.control import Driver, Op
@@ -286,4 +307,5 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str) -> None:
         )
         server.run()
     finally:
+        watching.clear()  # the workers leave now, on purpose
         sched.stop()
