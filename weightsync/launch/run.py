@@ -16,8 +16,8 @@ from pathlib import Path
 
 from weightsync.launch.config import EnvSettings, RunConfig, env_settings
 from weightsync.layout.parallel import RolloutParallel, TrainParallel
-from weightsync.models import get_model, get_profile, list_models
-from weightsync.models.profiles_base import RunProfile
+from weightsync.models import get_profile, list_models
+from weightsync.models.fit import cuda_device_count, fit_profile
 
 log = logging.getLogger(__name__)
 
@@ -64,24 +64,6 @@ def rollout_from_args(text: str) -> RolloutParallel:
     return RolloutParallel(num_engines=engines, **kv)
 
 
-def cuda_devices() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
-
-
-def embedded_default(profile: RunProfile) -> tuple[TrainParallel, RolloutParallel]:
-    """The tiny CPU layout of a profile's family: TP 2 on both sides (EP 2 for MoE, DP-attention kept)."""
-    spec = get_model(profile.model, "tiny")
-    ep = 2 if spec.is_moe else 1
-    train = TrainParallel(world_size=2, tp=2, ep=ep)
-    dp = 2 if profile.rollout.dp > 1 else 1
-    return train, RolloutParallel(tp=2, ep=ep, dp=dp, dp_lm_head=profile.rollout.dp_lm_head and dp > 1)
-
-
 def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
     """The run this invocation stands for, or None when this node has nothing to do.
 
@@ -94,26 +76,21 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
         raise ValueError(f"unknown mode {args.mode!r}: use p2p or broadcast")
     profile = get_profile(args.model)
     explicit = any(x is not None for x in (args.scale, args.train, args.rollout, args.device))
-    needed = profile.num_train_gpus + profile.num_rollout_gpus
-    have = cuda_devices()
+    have = cuda_device_count()
     embedded = False
     if explicit:
         device = args.device or ("cuda" if have else "cpu")
         scale = args.scale or ("full" if device == "cuda" else "tiny")
         train = train_from_args(args.train) if args.train else profile.train
         rollout = rollout_from_args(args.rollout) if args.rollout else profile.rollout
-    elif have >= needed and profile.num_nodes == 1:
-        device, scale, train, rollout = "cuda", "full", profile.train, profile.rollout
     else:
-        if args.node_rank != 0:
-            print(f"{args.model}: this machine lacks the {needed} GPUs of the profile; the embedded default runs on "
-                  f"the head node only, so node {args.node_rank} has nothing to do.")
+        fit = fit_profile(args.model, have)
+        if fit.embedded and args.node_rank != 0:
+            print(f"{fit.note} It runs on the head node only: node {args.node_rank} has nothing to do.")
             return None
-        train, rollout = embedded_default(profile)
-        device, scale, embedded = "cpu", "tiny", True
-        print(f"{args.model}: the profile needs {needed} GPUs on {profile.num_nodes} node(s), this machine has {have}: "
-              f"running the embedded default ({get_model(args.model).family} family, tiny scale, CPU, "
-              f"train TP {train.tp}/EP {train.ep} -> engine TP {rollout.tp}/EP {rollout.ep}/DP {rollout.dp}).")
+        if fit.note:
+            print(fit.note)
+        device, scale, train, rollout, embedded = fit.device, fit.scale, fit.train, fit.rollout, fit.embedded
     if device == "cuda" and have < train.world_size + rollout.world_size:
         raise ValueError(f"this run needs {train.world_size + rollout.world_size} GPUs on one node "
                          f"({train.world_size} train + {rollout.world_size} rollout); this machine has {have}. "

@@ -380,7 +380,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory (default: $CKPT_SAVE_DIR, else /root/multinode)")
     parser.add_argument("--hf-checkpoint", type=Path, default=None,
                         help="use this HF safetensors directory instead of a synthetic checkpoint")
-    parser.add_argument("--scale", default="full", help="full (default), tiny, or layers=N")
+    parser.add_argument("--scale", default=None,
+                        help="full, tiny, or layers=N (default: full when this machine has the profile's GPUs, "
+                             "else tiny -- the embedded default, with its trainer layout)")
     parser.add_argument("--download-only", action="store_true",
                         help="only the HF checkpoint and the prompt data (no torch_dist conversion)")
     parser.add_argument("--prompt-data", type=Path, default=None,
@@ -401,9 +403,17 @@ def main(args: argparse.Namespace) -> int:
             from weightsync.launch.config import env_settings
 
             ckpt_dir = env_settings().ckpt_dir
-        cfg = PrepareConfig(model=args.model, scale=args.scale, ckpt_dir=Path(ckpt_dir),
+        scale, train = args.scale, parse_train(args.train) if args.train else None
+        if scale is None:
+            from weightsync.models.fit import cuda_device_count, fit_profile
+
+            fit = fit_profile(args.model, cuda_device_count())
+            if fit.note:
+                print(fit.note)
+            scale, train = fit.scale, train or fit.train
+        cfg = PrepareConfig(model=args.model, scale=scale, ckpt_dir=Path(ckpt_dir),
                             hf_checkpoint=args.hf_checkpoint, download_only=args.download_only,
-                            prompt_data=args.prompt_data, train=parse_train(args.train) if args.train else None,
+                            prompt_data=args.prompt_data, train=train,
                             seed=args.seed, progress=not args.no_progress)
         result = prepare(cfg)
     except (ValueError, FileExistsError) as exc:

@@ -1,0 +1,65 @@
+"""Does a run profile fit this machine, and if not, what the embedded default runs instead.
+
+Pure decisions over a :class:`RunProfile` and a GPU count (the caller counts the GPUs), shared
+by ``prepare`` and ``run`` so that both pick the same scale and trainer layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.layout.parallel import RolloutParallel, TrainParallel
+from weightsync.models.profiles import get_profile
+from weightsync.models.registry import get_model
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fit:
+    """What runs on this machine for a profile."""
+
+    scale: str
+    device: str
+    train: TrainParallel
+    rollout: RolloutParallel
+    embedded: bool
+    """True: the profile does not fit and the tiny CPU default runs instead."""
+    note: str
+    """One line saying so (empty when the profile fits)."""
+
+
+def embedded_layout(model: str) -> tuple[TrainParallel, RolloutParallel]:
+    """The tiny CPU layout of a profile's family: TP 2 on both sides, EP 2 for MoE families,
+    DP-attention where the profile uses it."""
+    profile = get_profile(model)
+    spec = get_model(model, "tiny")
+    ep = 2 if spec.is_moe else 1
+    dp = 2 if profile.rollout.dp > 1 else 1
+    train = TrainParallel(world_size=2, tp=2, ep=ep)
+    return train, RolloutParallel(tp=2, ep=ep, dp=dp, dp_lm_head=profile.rollout.dp_lm_head and dp > 1)
+
+
+def fit_profile(model: str, num_gpus: int) -> Fit:
+    """The profile as is when this node has its GPUs, else the embedded default.
+
+    Args:
+        model: registry model name.
+        num_gpus: CUDA devices on this machine.
+    """
+    profile = get_profile(model)
+    needed = profile.num_train_gpus + profile.num_rollout_gpus
+    if num_gpus >= needed and profile.num_nodes == 1:
+        return Fit(scale="full", device="cuda", train=profile.train, rollout=profile.rollout, embedded=False, note="")
+    train, rollout = embedded_layout(model)
+    note = (f"{model}: the profile needs {needed} GPUs on {profile.num_nodes} node(s), this machine has {num_gpus}: "
+            f"running the embedded default ({get_model(model).family} family, tiny scale, CPU, "
+            f"train TP {train.tp}/EP {train.ep} -> engine TP {rollout.tp}/EP {rollout.ep}/DP {rollout.dp}).")
+    return Fit(scale="tiny", device="cpu", train=train, rollout=rollout, embedded=True, note=note)
+
+
+def cuda_device_count() -> int:
+    """CUDA devices visible here (0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
