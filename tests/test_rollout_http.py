@@ -19,13 +19,13 @@ from fastapi.testclient import TestClient
 from tests.rollout_helpers import one_torch_thread, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
 from weightsync.layout.parallel import RolloutParallel
 from weightsync.models.checkpoint import HFCheckpoint, hf_config_dict, write_hf_checkpoint
-from weightsync.rollout.broadcast import new_weight_update_group
 from weightsync.rollout.control import Driver, Op
 from weightsync.rollout.engine import Engine
 from weightsync.rollout.http_api import ROUTES, ServerContext, build_app
 from weightsync.rollout.scheduler import Scheduler
 from weightsync.rollout.tokenizer import ByteTokenizer
 from weightsync.rollout.tp import EngineGroups
+from weightsync.transport.group import new_weight_update_group
 
 MODEL = "Qwen3-30B-A3B"
 LONG = {"max_new_tokens": 600, "temperature": 0.0}

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from tests.rollout_helpers import one_torch_thread, tiny  # noqa: F401 -- autouse fixture
+from weightsync import transport
 from weightsync.layout.parallel import RolloutParallel
 from weightsync.layout.sglang import engine_layout
 from weightsync.rollout.receiver import PARAMS_REGION, Receiver
-
-transport = pytest.importorskip("weightsync.transport")
 
 
 def test_shm_receiver_publishes_one_region_and_takes_writes() -> None:

@@ -31,8 +31,8 @@ from tests.rollout_helpers import (
 )
 from weightsync.layout.parallel import RolloutParallel
 from weightsync.models.checkpoint import HFCheckpoint
-from weightsync.rollout.broadcast import new_weight_update_group
 from weightsync.rollout.reference import Reference
+from weightsync.transport.group import new_weight_update_group
 
 CONFIGS: list[tuple[str, RolloutParallel]] = (
     [(m, RolloutParallel(tp=2)) for m in FAMILY_MODELS]

@@ -9,13 +9,12 @@ keeps its own pieces (:func:`weightsync.rollout.loader.write_global`).
 fp8 engines accept either the bf16 weight (quantized on arrival, its scale written with it) or
 the float8 weight followed or preceded by its ``weight_scale_inv``.
 
-The group is built from public torch.distributed pieces, and both sides must build it the same
-way: :func:`new_weight_update_group` (rank 0 hosts the TCP store).
+Both sides build the group the same way: :func:`weightsync.transport.group.new_weight_update_group`
+(rank 0 hosts the TCP store).
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 
@@ -26,54 +25,9 @@ from weightsync.models.hf import global_tensors
 from weightsync.models.spec import ModelSpec
 from weightsync.rollout.loader import write_global
 from weightsync.rollout.params import ParamStore
+from weightsync.transport.group import new_weight_update_group
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-def new_weight_update_group(
-    *,
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-) -> dist.ProcessGroup:
-    """Join (rank 0: host) a standalone process group outside the default one.
-
-    Hangs until all ``world_size`` ranks have joined or ``timeout`` passes.
-
-    Args:
-        master_address: host of rank 0's TCP store.
-        master_port: its port.
-        rank: this process's rank in the group.
-        world_size: ranks in the group.
-        group_name: namespace of the group's keys in the store.
-        backend: ``"gloo"`` or ``"nccl"``.
-        timeout: rendezvous and per-collective timeout.
-
-    Returns:
-        The process group (use its ``broadcast(tensor, root)`` method).
-
-    Raises:
-        ValueError: unknown backend or rank out of range.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"weight update group rank {rank} is outside [0, {world_size})")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"weight update group backend must be gloo or nccl, got {backend!r}")
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
-    prefixed = dist.PrefixStore(group_name + "/", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
