@@ -56,11 +56,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--mode", choices=("p2p", "broadcast", "both"), default="both")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, after one warm-up run")
-    p.add_argument("--placement", choices=("split", "colocated"), default="split",
-                   help="cuda: split = every rank on a GPU of its own (trainers first); colocated = "
-                        "trainer rank i and rollout rank i share GPU i")
-    p.add_argument("--transport", choices=("auto", "shm", "cuda_ipc"), default="auto",
-                   help="p2p transport (auto: shm on cpu, cuda_ipc on cuda)")
+    p.add_argument(
+        "--placement",
+        choices=("split", "colocated"),
+        default="split",
+        help="cuda: split = every rank on a GPU of its own (trainers first); colocated = "
+        "trainer rank i and rollout rank i share GPU i",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "cuda_ipc"),
+        default="auto",
+        help="p2p transport (auto: shm on cpu, cuda_ipc on cuda)",
+    )
     p.add_argument("--bucket-gb", type=float, default=1.0, help="staging / broadcast bucket size in GB")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     p.add_argument("--seed", type=int, default=1234)
@@ -75,8 +83,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def gpu_placement(num_train: int, num_rollout: int, placement: str, num_gpus: int) -> tuple[tuple[int, ...],
-                                                                                          tuple[int, ...]]:
+def gpu_placement(
+    num_train: int, num_rollout: int, placement: str, num_gpus: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """GPU of each trainer and rollout rank.
 
     Raises:
@@ -85,8 +94,10 @@ def gpu_placement(num_train: int, num_rollout: int, placement: str, num_gpus: in
     if placement == "split":
         need = num_train + num_rollout
         if need > num_gpus:
-            raise ValueError(f"split placement needs {need} GPUs ({num_train} trainer + {num_rollout} rollout "
-                             f"ranks), this machine has {num_gpus}: lower tp or use --placement colocated")
+            raise ValueError(
+                f"split placement needs {need} GPUs ({num_train} trainer + {num_rollout} rollout "
+                f"ranks), this machine has {num_gpus}: lower tp or use --placement colocated"
+            )
         return tuple(range(num_train)), tuple(range(num_train, need))
     need = max(num_train, num_rollout)
     if need > num_gpus:
@@ -94,16 +105,19 @@ def gpu_placement(num_train: int, num_rollout: int, placement: str, num_gpus: in
     return tuple(range(num_train)), tuple(range(num_rollout))
 
 
-def broadcast_skip_reason(device: str, train_gpus: tuple[int, ...], rollout_gpus: tuple[int, ...],
-                          sources: list[int]) -> str | None:
+def broadcast_skip_reason(
+    device: str, train_gpus: tuple[int, ...], rollout_gpus: tuple[int, ...], sources: list[int]
+) -> str | None:
     """Why broadcast cannot run with this placement (NCCL refuses two ranks of a group on one GPU)."""
     if device != "cuda":
         return None
     for s in sources:
         members = [train_gpus[s], *rollout_gpus]
         if len(set(members)) != len(members):
-            return (f"NCCL needs every rank of a weight-update group on its own GPU; source rank {s} and the "
-                    f"rollout ranks use GPUs {members} (use --placement split)")
+            return (
+                f"NCCL needs every rank of a weight-update group on its own GPU; source rank {s} and the "
+                f"rollout ranks use GPUs {members} (use --placement split)"
+            )
     return None
 
 
@@ -127,8 +141,9 @@ def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible")
-        train_gpus, rollout_gpus = gpu_placement(train.world_size, rollout.world_size, args.placement,
-                                                 torch.cuda.device_count())
+        train_gpus, rollout_gpus = gpu_placement(
+            train.world_size, rollout.world_size, args.placement, torch.cuda.device_count()
+        )
     bucket_bytes = int(args.bucket_gb * (1 << 30))
     inputs = build_inputs(spec, train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout)
     sources = sorted({b.src_rank for b in plan_broadcast(inputs, bucket_bytes=bucket_bytes, dst_rank=0).buckets})
@@ -138,11 +153,24 @@ def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
             notes.append("broadcast skipped: " + why)
             modes = tuple(m for m in modes if m != "broadcast")
     transport = args.transport if args.transport != "auto" else ("cuda_ipc" if args.device == "cuda" else "shm")
-    cfg = BenchConfig(model=args.model, scale=args.scale, train=train, rollout=rollout, device=args.device,
-                      modes=modes, repeats=args.repeats, bucket_bytes=bucket_bytes, seed=args.seed,
-                      master_port=free_port(), group_ports={s: free_port() for s in sources},
-                      train_gpus=train_gpus, rollout_gpus=rollout_gpus, transport=transport, threads=args.threads,
-                      timeout_s=args.timeout)
+    cfg = BenchConfig(
+        model=args.model,
+        scale=args.scale,
+        train=train,
+        rollout=rollout,
+        device=args.device,
+        modes=modes,
+        repeats=args.repeats,
+        bucket_bytes=bucket_bytes,
+        seed=args.seed,
+        master_port=free_port(),
+        group_ports={s: free_port() for s in sources},
+        train_gpus=train_gpus,
+        rollout_gpus=rollout_gpus,
+        transport=transport,
+        threads=args.threads,
+        timeout_s=args.timeout,
+    )
     return cfg, notes
 
 
@@ -212,9 +240,14 @@ def _timed_runs(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     for i in range(len(ranks[0][key]["runs"] if "runs" in ranks[0][key] else ranks[0][key])):
         rows = [(r[key]["runs"] if "runs" in r[key] else r[key])[i] for r in ranks]
         tr = [row for row, r in zip(rows, ranks, strict=True) if r["role"] == "trainer"]
-        out.append({"window_s": max(row["window_s"] for row in rows), "warmup": rows[0]["warmup"],
-                    "wire_s": max((row.get("wire_s", row.get("own_s", 0.0)) for row in tr), default=0.0),
-                    "pack_s": max((row.get("pack_s", 0.0) for row in tr), default=0.0)})
+        out.append(
+            {
+                "window_s": max(row["window_s"] for row in rows),
+                "warmup": rows[0]["warmup"],
+                "wire_s": max((row.get("wire_s", row.get("own_s", 0.0)) for row in tr), default=0.0),
+                "pack_s": max((row.get("pack_s", 0.0) for row in tr), default=0.0),
+            }
+        )
     return out
 
 
@@ -222,19 +255,28 @@ def _stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     timed = [r for r in runs if not r["warmup"]] or runs
     first = runs[0]["window_s"]
     best = min(r["window_s"] for r in timed)
-    return {"first_s": first, "best_s": best, "mean_s": sum(r["window_s"] for r in timed) / len(timed),
-            "best_wire_s": min(r["wire_s"] for r in timed), "best_pack_s": min(r["pack_s"] for r in timed),
-            "runs_s": [r["window_s"] for r in timed]}
+    return {
+        "first_s": first,
+        "best_s": best,
+        "mean_s": sum(r["window_s"] for r in timed) / len(timed),
+        "best_wire_s": min(r["wire_s"] for r in timed),
+        "best_pack_s": min(r["pack_s"] for r in timed),
+        "runs_s": [r["window_s"] for r in timed],
+    }
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=True
+    ).stdout.strip()
 
 
 def git_commit() -> str | None:
     """The checkout's commit (with ``+dirty`` when tracked files changed), or None outside git."""
     root = Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        head = _git(root, "rev-parse", "--short", "HEAD")
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+dirty" if dirty else "")
@@ -255,9 +297,13 @@ def _local_copy(lc: dict[str, Any] | None) -> dict[str, Any]:
 
 def _checks(engines: list[dict[str, Any]], key: str) -> dict[str, Any]:
     checks = [e[key]["check"] for e in engines]
-    return {"ok": all(c["mismatched"] == 0 for c in checks), "params_checked": sum(c["params"] for c in checks),
-            "mismatched": {str(e["local_rank"]): c["names"] for e, c in zip(engines, checks, strict=True)
-                           if c["mismatched"]}}
+    return {
+        "ok": all(c["mismatched"] == 0 for c in checks),
+        "params_checked": sum(c["params"] for c in checks),
+        "mismatched": {
+            str(e["local_rank"]): c["names"] for e, c in zip(engines, checks, strict=True) if c["mismatched"]
+        },
+    }
 
 
 def _p2p_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -271,14 +317,25 @@ def _p2p_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     total = sum(by_dest.values())
     mem = _stats(_timed_runs(results, "memcpy"))
     mem_bytes = sum(t["memcpy"][-1]["bytes"] for t in trainers)
-    memcpy = {**mem, "bytes": mem_bytes, "gbps": _gbps(mem_bytes, mem["best_wire_s"]),
-              "window_gbps": _gbps(mem_bytes, mem["best_s"])}
-    p2p = {**st, "bytes_total": total, "bytes_per_receiver": {str(d): n for d, n in sorted(by_dest.items())},
-           "shard_bytes": {str(e["local_rank"]): e["shard_bytes"] for e in engines},
-           "gbps": _gbps(total, st["best_s"]), "wire_gbps": _gbps(total, st["best_wire_s"]),
-           "ops": sum(t["ops"] for t in trainers), "staged_ops": sum(t["staged_ops"] for t in trainers),
-           "plan_s": max(t["plan_s"] for t in trainers), "sender_setup_s": max(t["sender_s"] for t in trainers),
-           "check": _checks(engines, "p2p")}
+    memcpy = {
+        **mem,
+        "bytes": mem_bytes,
+        "gbps": _gbps(mem_bytes, mem["best_wire_s"]),
+        "window_gbps": _gbps(mem_bytes, mem["best_s"]),
+    }
+    p2p = {
+        **st,
+        "bytes_total": total,
+        "bytes_per_receiver": {str(d): n for d, n in sorted(by_dest.items())},
+        "shard_bytes": {str(e["local_rank"]): e["shard_bytes"] for e in engines},
+        "gbps": _gbps(total, st["best_s"]),
+        "wire_gbps": _gbps(total, st["best_wire_s"]),
+        "ops": sum(t["ops"] for t in trainers),
+        "staged_ops": sum(t["staged_ops"] for t in trainers),
+        "plan_s": max(t["plan_s"] for t in trainers),
+        "sender_setup_s": max(t["sender_s"] for t in trainers),
+        "check": _checks(engines, "p2p"),
+    }
     return {"memcpy": memcpy, "p2p": p2p}
 
 
@@ -287,8 +344,14 @@ def _broadcast_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     st = _stats(_timed_runs(results, "broadcast"))
     per_rx = {str(e["local_rank"]): int(e["broadcast"]["runs"][-1]["bytes"]) for e in engines}
     total = sum(per_rx.values())
-    return {**st, "bytes_total": total, "bytes_per_receiver": per_rx, "gbps": _gbps(total, st["best_s"]),
-            "buckets": engines[0]["broadcast"]["buckets"], "check": _checks(engines, "broadcast")}
+    return {
+        **st,
+        "bytes_total": total,
+        "bytes_per_receiver": per_rx,
+        "gbps": _gbps(total, st["best_s"]),
+        "buckets": engines[0]["broadcast"]["buckets"],
+        "check": _checks(engines, "broadcast"),
+    }
 
 
 def summarize(cfg: Any, results: list[dict[str, Any]], notes: list[str]) -> dict[str, Any]:
@@ -296,17 +359,34 @@ def summarize(cfg: Any, results: list[dict[str, Any]], notes: list[str]) -> dict
     from dataclasses import asdict
 
     out: dict[str, Any] = {
-        "model": cfg.model, "scale": cfg.scale, "train": asdict(cfg.train), "rollout": asdict(cfg.rollout),
-        "device": cfg.device, "transport": cfg.transport, "modes": list(cfg.modes), "repeats": cfg.repeats,
-        "bucket_bytes": cfg.bucket_bytes, "train_gpus": list(cfg.train_gpus), "rollout_gpus": list(cfg.rollout_gpus),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "host": platform.node(),
-        "cpus": os.cpu_count(), "commit": git_commit(), "notes": notes,
+        "model": cfg.model,
+        "scale": cfg.scale,
+        "train": asdict(cfg.train),
+        "rollout": asdict(cfg.rollout),
+        "device": cfg.device,
+        "transport": cfg.transport,
+        "modes": list(cfg.modes),
+        "repeats": cfg.repeats,
+        "bucket_bytes": cfg.bucket_bytes,
+        "train_gpus": list(cfg.train_gpus),
+        "rollout_gpus": list(cfg.rollout_gpus),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0],
+        "commit": git_commit(),
+        "notes": notes,
         "set_up_s": max(r["set_up_s"] for r in results),
         "local_copy": _local_copy(results[0].get("local_copy")),
     }
     if "p2p" in cfg.modes:
         out.update(_p2p_summary(results))
-        out["ratio_wire_to_memcpy"] = (out["p2p"]["wire_gbps"] or 0) / (out["memcpy"]["gbps"] or float("inf"))
+        wire = out["p2p"]["wire_gbps"] or 0.0
+        out["ratio_wire_to_memcpy"] = wire / (out["memcpy"]["gbps"] or float("inf"))
+        lc = out["local_copy"]
+        local = lc.get("memmove_gbps") or lc.get("peer_gpu_gbps") or lc.get("same_gpu_gbps")
+        if local:
+            out["ratio_wire_to_local_copy"] = wire / local
     if "broadcast" in cfg.modes:
         out["broadcast"] = _broadcast_summary(results)
     if "p2p" in out and "broadcast" in out:
@@ -315,41 +395,64 @@ def summarize(cfg: Any, results: list[dict[str, Any]], notes: list[str]) -> dict
     return out
 
 
-def _row(what: str, per_rx: float | None, total: float, best: float, mean: float | None, first: float | None,
-         gbps: float | None) -> str:
+def _row(
+    what: str,
+    per_rx: float | None,
+    total: float,
+    best: float,
+    mean: float | None,
+    first: float | None,
+    gbps: float | None,
+) -> str:
     def f(x: float | None, spec: str) -> str:
         return format(x, spec) if x is not None else format("-", ">" + spec.split(".")[0])
 
-    return (f"{what:<34} {f(per_rx and per_rx / 1e9, '9.3f')} {total / 1e9:9.3f} {best:9.4f} {f(mean, '9.4f')} "
-            f"{f(first, '9.4f')} {f(gbps, '9.2f')}")
+    return (
+        f"{what:<34} {f(per_rx and per_rx / 1e9, '9.3f')} {total / 1e9:9.3f} {best:9.4f} {f(mean, '9.4f')} "
+        f"{f(first, '9.4f')} {f(gbps, '9.2f')}"
+    )
 
 
 def format_table(s: dict[str, Any]) -> str:
     """The human-readable table of a :func:`summarize` record."""
     lines = [f"{'':<34} {'GB/recv':>9} {'GB total':>9} {'best s':>9} {'mean s':>9} {'first s':>9} {'GB/s':>9}"]
     lc = s["local_copy"]
-    for key, label in (("memmove", "copy in one process (memmove)"), ("same_gpu", "copy within one GPU"),
-                       ("peer_gpu", f"copy GPU->GPU in one process ({lc.get('peer_gpu', '')})")):
+    for key, label in (
+        ("memmove", "copy in one process (memmove)"),
+        ("same_gpu", "copy within one GPU"),
+        ("peer_gpu", f"copy GPU->GPU in one process ({lc.get('peer_gpu', '')})"),
+    ):
         if key + "_s" in lc:
             lines.append(_row(label, None, lc["bytes"], lc[key + "_s"], None, None, lc[key + "_gbps"]))
     if "memcpy" in s:
         m = s["memcpy"]
-        lines.append(_row(f"copy between processes ({s['transport']})", None, m["bytes"], m["best_wire_s"], None,
-                          m["first_s"], m["gbps"]))
+        lines.append(
+            _row(
+                f"copy between processes ({s['transport']})",
+                None,
+                m["bytes"],
+                m["best_wire_s"],
+                None,
+                m["first_s"],
+                m["gbps"],
+            )
+        )
     if "p2p" in s:
         p = s["p2p"]
         per = max(p["bytes_per_receiver"].values(), default=0)
         lines.append(_row("p2p update", per, p["bytes_total"], p["best_s"], p["mean_s"], p["first_s"], p["gbps"]))
-        lines.append(_row("  p2p wire (slowest sender)", None, p["bytes_total"], p["best_wire_s"], None, None,
-                          p["wire_gbps"]))
+        lines.append(
+            _row("  p2p wire (slowest sender)", None, p["bytes_total"], p["best_wire_s"], None, None, p["wire_gbps"])
+        )
     if "broadcast" in s:
         b = s["broadcast"]
         per = max(b["bytes_per_receiver"].values(), default=0)
-        lines.append(_row("broadcast update", per, b["bytes_total"], b["best_s"], b["mean_s"], b["first_s"],
-                          b["gbps"]))
+        lines.append(_row("broadcast update", per, b["bytes_total"], b["best_s"], b["mean_s"], b["first_s"], b["gbps"]))
     tail = []
     if "ratio_wire_to_memcpy" in s:
         tail.append(f"p2p wire / copy between processes: {s['ratio_wire_to_memcpy']:.2f}")
+    if "ratio_wire_to_local_copy" in s:
+        tail.append(f"p2p wire / copy in one process: {s['ratio_wire_to_local_copy']:.2f}")
     if "speedup_p2p_vs_broadcast" in s:
         tail.append(f"p2p vs broadcast: {s['speedup_p2p_vs_broadcast']:.2f}x")
     checks = [f"{m} {'bit-exact' if s[m]['check']['ok'] else 'MISMATCH'}" for m in ("p2p", "broadcast") if m in s]
@@ -365,9 +468,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"weightsync bench: {exc}", file=sys.stderr)
         return 2
-    print(f"weightsync bench {cfg.model} {cfg.scale}: train {args.train} ({cfg.train.world_size} ranks) -> rollout "
-          f"{args.rollout} ({cfg.rollout.world_size} ranks), {cfg.device}/{cfg.transport}, modes {'+'.join(cfg.modes)}, "
-          f"{cfg.repeats} timed runs after a warm-up", flush=True)
+    modes = "+".join(cfg.modes)
+    print(
+        f"weightsync bench {cfg.model} {cfg.scale}: train {args.train} ({cfg.train.world_size} ranks) -> rollout "
+        f"{args.rollout} ({cfg.rollout.world_size} ranks), {cfg.device}/{cfg.transport}, modes {modes}, "
+        f"{cfg.repeats} timed runs after a warm-up",
+        flush=True,
+    )
     for n in notes:
         print(f"note: {n}", flush=True)
     t0 = time.perf_counter()

@@ -18,12 +18,13 @@ Legend: ``P`` = pool size, ``W`` = widest last dim of any global tensor.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from weightsync.layout.box import Box, box_shape
+from weightsync.layout.box import Box, LocalTensor, box_shape
 from weightsync.models.hf import GlobalTensor
+from weightsync.models.spec import ModelSpec
 from weightsync.rollout.loader import write_global
 from weightsync.rollout.params import ParamStore
 
@@ -90,7 +91,7 @@ class GlobalData:
         return torch.index_select(windows, 0, start).reshape(shape)
 
 
-def fill_params(data: GlobalData, layout: list, params: Mapping[str, torch.Tensor]) -> int:
+def fill_params(data: GlobalData, layout: Sequence[LocalTensor], params: Mapping[str, torch.Tensor]) -> int:
     """Write every piece of every local tensor of ``layout`` with the global values (cast to the
     local dtype); padding is left as it is. Returns the bytes written."""
     written = 0
@@ -115,7 +116,7 @@ def poison(store: ParamStore) -> None:
             dst[_slices(p.local_box)].fill_(value)
 
 
-def expected_store(data: GlobalData, store: ParamStore, spec) -> ParamStore:
+def expected_store(data: GlobalData, store: ParamStore, spec: ModelSpec) -> ParamStore:
     """A plain copy of ``store``'s layout holding what a complete update must leave in it
     (the engine's own loading rule, :func:`weightsync.rollout.loader.write_global`)."""
     expected = ParamStore(store.layout, store.device)
@@ -140,6 +141,3 @@ def compare(store: ParamStore, expected: ParamStore) -> list[str]:
         if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
             bad.append(t.name)
     return bad
-
-
-BoxReader = Callable[[Box], torch.Tensor]

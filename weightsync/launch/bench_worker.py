@@ -91,8 +91,9 @@ class BenchConfig:
             raise ValueError(f"modes must be p2p and/or broadcast, got {self.modes}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        if self.device == "cuda" and (len(self.train_gpus) != self.train.world_size
-                                      or len(self.rollout_gpus) != self.rollout.world_size):
+        if self.device == "cuda" and (
+            len(self.train_gpus) != self.train.world_size or len(self.rollout_gpus) != self.rollout.world_size
+        ):
             raise ValueError("a CUDA benchmark needs a GPU for every trainer and rollout rank")
 
     @property
@@ -114,12 +115,28 @@ class _Block:
         self.buf = buf
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        assert dtype == torch.uint8 and tuple(shape) == (self.buf.numel(),)
+        assert dtype == torch.uint8
+        assert tuple(shape) == (self.buf.numel(),)
         return self.buf
 
 
-def _best_copy(copy: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
-    """Best time of ``repeats`` runs of ``copy`` after one warm-up (``sync`` ends each run)."""
+def _copy_into(src: torch.Tensor, device: torch.device, sync: Callable[[], None], repeats: int = 5) -> float:
+    """Best time of a plain copy of ``src`` into a new buffer on ``device``, after one warm-up.
+
+    Host memory is copied with one ``memmove`` (the shm transport's primitive), device memory
+    with ``copy_`` (``cudaMemcpyAsync``; a peer copy when the devices differ).
+    """
+    dst = torch.ones(src.numel(), dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+
+        def copy() -> None:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+
+    else:
+
+        def copy() -> None:
+            dst.copy_(src, non_blocking=True)
+
     copy()
     sync()
     best = float("inf")
@@ -147,8 +164,14 @@ class BenchRank:
         else:
             self.device = torch.device("cpu")
         self.spec = get_model(cfg.model, cfg.scale)
-        self.inputs: PlanInputs = build_inputs(self.spec, cfg.train, cfg.rollout, trainer_layout=trainer_layout,
-                                               engine_layout=engine_layout, placement=cfg.placement())
+        self.inputs: PlanInputs = build_inputs(
+            self.spec,
+            cfg.train,
+            cfg.rollout,
+            trainer_layout=trainer_layout,
+            engine_layout=engine_layout,
+            placement=cfg.placement(),
+        )
         self.data = GlobalData(self.inputs.globals, seed=cfg.seed, device=self.device)
         self.store: ParamStore | None = None
         self.source = torch.empty(0, dtype=torch.uint8)
@@ -157,8 +180,12 @@ class BenchRank:
         self.receiver: Any = None
         self.sender: Any = None
         self.ops: list[Any] = []
-        self.out: dict[str, Any] = {"rank": rank, "role": "trainer" if self.is_trainer else "engine",
-                                    "local_rank": self.local, "device": str(self.device)}
+        self.out: dict[str, Any] = {
+            "rank": rank,
+            "role": "trainer" if self.is_trainer else "engine",
+            "local_rank": self.local,
+            "device": str(self.device),
+        }
 
     # -- helpers ------------------------------------------------------------------------------
     def sync(self) -> None:
@@ -198,11 +225,13 @@ class BenchRank:
             from weightsync.rollout.receiver import Receiver
 
             layout = list(self.inputs.dest_layout(self.local))
-            self.receiver, self.store = Receiver.open(self.cfg.transport, layout, device=self.device,
-                                                      rank=self.local % self.cfg.rollout.tp)
+            self.receiver, self.store = Receiver.open(
+                self.cfg.transport, layout, device=self.device, rank=self.local % self.cfg.rollout.tp
+            )
             self.expected = expected_store(self.data, self.store, self.spec)
-            self.out["shard_bytes"] = sum(box_volume(p.local_box) * DTYPE_BYTES[t.dtype]
-                                          for t in layout if not t.derived for p in t.pieces)
+            self.out["shard_bytes"] = sum(
+                box_volume(p.local_box) * DTYPE_BYTES[t.dtype] for t in layout if not t.derived for p in t.pieces
+            )
         self.sync()
         self.out["set_up_s"] = time.perf_counter() - t0
 
@@ -218,8 +247,11 @@ class BenchRank:
 
             t0 = time.perf_counter()
             self.ops = list(plan_p2p_for_rank(self.inputs, src_rank=self.local).ops)
-            self.out.update(plan_s=time.perf_counter() - t0, ops=len(self.ops),
-                            staged_ops=sum(1 for op in self.ops if op.transform is not None))
+            self.out.update(
+                plan_s=time.perf_counter() - t0,
+                ops=len(self.ops),
+                staged_ops=sum(1 for op in self.ops if op.transform is not None),
+            )
         return infos
 
     def bytes_by_dest(self) -> dict[int, int]:
@@ -240,9 +272,15 @@ class BenchRank:
         needed = sorted({op.dst_rank for op in self.ops})
         dests = {r: dest_rank_from_info(r, infos[r], self.inputs.dest_layout(r)) for r in needed}
         blocks = {g.name: g.block for g in self.inputs.globals.values() if g.block is not None and g.quant_of is None}
-        self.sender = P2PSender(self.ops, self.params(), self.new_transport(), dests,
-                                bucket_bytes=self.cfg.bucket_bytes, source_regions=[("params", self.source)],
-                                fp8_blocks=blocks)
+        self.sender = P2PSender(
+            self.ops,
+            self.params(),
+            self.new_transport(),
+            dests,
+            bucket_bytes=self.cfg.bucket_bytes,
+            source_regions=[("params", self.source)],
+            fp8_blocks=blocks,
+        )
         self.out["sender_s"] = time.perf_counter() - t0
 
     # -- references ---------------------------------------------------------------------------
@@ -258,26 +296,21 @@ class BenchRank:
         src = torch.empty(n, dtype=torch.uint8, device=self.device)
         for off in range(0, n, self.source.numel()):  # random bytes: never time zeros
             k = min(self.source.numel(), n - off)
-            src[off:off + k].copy_(self.source[:k])
+            src[off : off + k].copy_(self.source[:k])
         out: dict[str, Any] = {"bytes": n}
         if self.device.type == "cpu":
-            dst = torch.ones(n, dtype=torch.uint8)
-            out["memmove_s"] = _best_copy(lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), n), lambda: None, 3)
+            out["memmove_s"] = _copy_into(src, self.device, lambda: None)
             return out
         peer = torch.device(f"cuda:{self.cfg.rollout_gpus[0]}")
-        for name, dev in (("same_gpu_s", self.device), ("peer_gpu_s", peer)):
-            if name == "peer_gpu_s" and peer == self.device:
-                continue
-            dst = torch.ones(n, dtype=torch.uint8, device=dev)
+        out["same_gpu_s"] = _copy_into(src, self.device, lambda: torch.cuda.synchronize(self.device))
+        if peer != self.device:
 
-            def sync(d: torch.device = dev) -> None:
+            def sync() -> None:
                 torch.cuda.synchronize(self.device)
-                torch.cuda.synchronize(d)
+                torch.cuda.synchronize(peer)
 
-            out[name] = _best_copy(lambda d=dst: d.copy_(src, non_blocking=True), sync, 5)
-            del dst
-        out["peer_gpu"] = str(peer)
-        del src
+            out["peer_gpu_s"] = _copy_into(src, peer, sync)
+            out["peer_gpu"] = str(peer)
         torch.cuda.empty_cache()
         return out
 
@@ -321,8 +354,9 @@ class BenchRank:
         return {"own_s": time.perf_counter() - t0, "bytes": sum(b.nbytes for b in batches)}
 
     # -- the two modes ------------------------------------------------------------------------
-    def _timed(self, body: Callable[[], dict[str, Any]], *, warmup: bool,
-               before: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    def _timed(
+        self, body: Callable[[], dict[str, Any]], *, warmup: bool, before: Callable[[], None] | None = None
+    ) -> list[dict[str, Any]]:
         """Run ``body`` between two barriers of every process, once untimed-labelled as warm-up
         (when ``warmup``) and ``repeats`` times; ``before`` runs outside each window."""
         rows = []
@@ -347,7 +381,8 @@ class BenchRank:
         """Engine: compare every parameter with the expected bytes (trainer: None)."""
         if self.is_trainer:
             return None
-        assert self.store is not None and self.expected is not None
+        assert self.store is not None
+        assert self.expected is not None
         bad = compare(self.store, self.expected)
         return {"params": len(self.store.names()), "mismatched": len(bad), "names": bad[:10]}
 
@@ -356,8 +391,13 @@ class BenchRank:
             if not self.is_trainer:
                 return {}
             s = self.sender.send(deadline_s=self.cfg.timeout_s)
-            return {"send_s": s.total_s, "pack_s": s.pack_s, "wire_s": s.wire_s, "bytes": s.nbytes,
-                    "bytes_by_dest": s.bytes_by_dest}
+            return {
+                "send_s": s.total_s,
+                "pack_s": s.pack_s,
+                "wire_s": s.wire_s,
+                "bytes": s.nbytes,
+                "bytes_by_dest": s.bytes_by_dest,
+            }
 
         runs = self._timed(body, warmup=True, before=self._poison)
         return {"runs": runs, "check": self.check()}
@@ -401,21 +441,31 @@ class BenchRank:
         if self.is_trainer:
             from weightsync.trainer.broadcast import BroadcastSender
 
-            group = {"master_address": "127.0.0.1", "world_size": world, "backend": backend,
-                     "ports": {str(s): p for s, p in self.cfg.group_ports.items()},
-                     "group_names": {str(s): n for s, n in names.items()}}
+            group = {
+                "master_address": "127.0.0.1",
+                "world_size": world,
+                "backend": backend,
+                "ports": {str(s): p for s, p in self.cfg.group_ports.items()},
+                "group_names": {str(s): n for s, n in names.items()},
+            }
             layout = list(self.inputs.source_layouts[self.local])
-            return BroadcastSender(self.spec, self.inputs, self.local, layout, self.params(), group=group,
-                                   device=self.cfg.device)
+            return BroadcastSender(
+                self.spec, self.inputs, self.local, layout, self.params(), group=group, device=self.cfg.device
+            )
         from weightsync.rollout.broadcast import BroadcastReceiver
 
         assert self.store is not None
         tp = self.cfg.rollout.tp
         receiver = BroadcastReceiver(self.store, self.spec, self.local % tp)
         for s in sorted(self.cfg.group_ports):
-            receiver.init_group(master_address="127.0.0.1", master_port=self.cfg.group_ports[s],
-                                rank_offset=1 + (self.local // tp) * tp, world_size=world, group_name=names[s],
-                                backend=backend)
+            receiver.init_group(
+                master_address="127.0.0.1",
+                master_port=self.cfg.group_ports[s],
+                rank_offset=1 + (self.local // tp) * tp,
+                world_size=world,
+                group_name=names[s],
+                backend=backend,
+            )
         return receiver
 
     def close(self) -> None:
@@ -452,11 +502,16 @@ def rank_main(rank: int, cfg: BenchConfig, results: Any) -> None:
     torch.set_num_threads(cfg.threads)
     bench: BenchRank | None = None
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.master_port}", rank=rank,
-                                world_size=cfg.world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{cfg.master_port}",
+            rank=rank,
+            world_size=cfg.world_size,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        )
         bench = BenchRank(cfg, rank)
         results.put((rank, "ok", run_rank(bench)))
-    except Exception:  # noqa: BLE001 -- shipped to the launcher with the traceback, which re-raises
+    except Exception:  # shipped to the launcher with the traceback, which re-raises
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if bench is not None:

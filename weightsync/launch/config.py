@@ -72,7 +72,8 @@ class RunConfig:
     scale: str
     """``full``, ``layers=N`` or ``tiny`` (the embedded default runs ``tiny``)."""
     mode: str
-    """``p2p`` or ``broadcast``."""
+    """``p2p``, ``broadcast``, or ``both`` (updates alternate p2p, broadcast, ... on the same
+    engines and trainer ranks: both paths checked, and compared, in one run)."""
     device: str
     """``cpu`` or ``cuda``."""
     train: TrainParallel
@@ -91,14 +92,19 @@ class RunConfig:
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("p2p", "broadcast"):
-            raise ValueError(f"unknown mode {self.mode!r}: use p2p or broadcast")
+        if self.mode not in ("p2p", "broadcast", "both"):
+            raise ValueError(f"unknown mode {self.mode!r}: use p2p or broadcast (or both)")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}: use cpu or cuda")
         if self.num_steps < 1:
             raise ValueError(f"--num-rollout must be >= 1, got {self.num_steps}")
         if self.transport not in ("auto", "shm", "mooncake", "cuda_ipc"):
             raise ValueError(f"unknown transport {self.transport!r}: use auto, shm, mooncake or cuda_ipc")
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The transfer modes this run sets up; update ``k`` uses ``modes[k % len(modes)]``."""
+        return ("p2p", "broadcast") if self.mode == "both" else (self.mode,)
 
     @property
     def bucket_bytes(self) -> int:

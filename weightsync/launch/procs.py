@@ -105,8 +105,8 @@ class LocalProcs:
         return list(self._pool.map(lambda e: fn(e.client), self.engines))
 
     # -- trainer ranks --------------------------------------------------------------------------
-    def start_trainers(self, cfg: WorkerConfig, *, timeout_s: float) -> list[Any]:
-        """Spawn every trainer rank and wait for each to have loaded its shards."""
+    def spawn_trainers(self, cfg: WorkerConfig) -> None:
+        """Spawn every trainer rank (they load their shards in the background)."""
         ctx = mp.get_context("spawn")
         for rank in range(cfg.train.world_size):
             parent, child = ctx.Pipe()
@@ -115,6 +115,9 @@ class LocalProcs:
             child.close()
             self._workers.append(p)
             self._conns.append(parent)
+
+    def wait_trainers(self, *, timeout_s: float) -> list[Any]:
+        """Wait until every spawned trainer rank has loaded its shards."""
         return self._collect(timeout_s, "start-up")
 
     def _collect(self, timeout_s: float, what: str) -> list[Any]:

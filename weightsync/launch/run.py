@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registry model name (weightsync list)")
-    p.add_argument("--mode", default="p2p", help="p2p (default) or broadcast")
+    p.add_argument("--mode", default="p2p", help="p2p (default), broadcast, or both (alternating, one run)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 = head)")
     p.add_argument("--head-ip", default="", help="head node address (multi-node profiles)")
     p.add_argument("--num-rollout", type=int, default=3, help="training steps, each followed by an update")
@@ -72,8 +72,8 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
     """
     if args.model not in list_models():
         raise ValueError(f"unknown model {args.model!r}; known: {', '.join(list_models())}")
-    if args.mode not in ("p2p", "broadcast"):
-        raise ValueError(f"unknown mode {args.mode!r}: use p2p or broadcast")
+    if args.mode not in ("p2p", "broadcast", "both"):
+        raise ValueError(f"unknown mode {args.mode!r}: use p2p or broadcast (or both)")
     profile = get_profile(args.model)
     explicit = any(x is not None for x in (args.scale, args.train, args.rollout, args.device))
     have = cuda_device_count()

@@ -91,17 +91,18 @@ class RunSession:
         ]
         print(f"starting {r.num_engines} engine(s) of {r.tp} rank(s) and {cfg.train.world_size} trainer rank(s) ...",
               flush=True)
-        self.procs.start_engines(argvs, [f"http://{cfg.host}:{p}" for p in ports], timeout_s=300)
-        self.check_engines()
         wcfg = WorkerConfig(model=cfg.model, scale=cfg.scale, train=cfg.train, rollout=cfg.rollout,
                             ckpt_dir=str(self.torch_dist_dir), master_addr=cfg.host, master_port=free_port(cfg.host),
                             device=cfg.device, bucket_bytes=cfg.bucket_bytes, transport=self._transport(),
                             mooncake_protocol=cfg.env.mooncake_protocol, mooncake_device=cfg.env.mooncake_device,
                             seed=cfg.seed)
-        self.procs.start_trainers(wcfg, timeout_s=300)
-        if cfg.mode == "p2p":
+        self.procs.spawn_trainers(wcfg)  # they load their shards while the engines start
+        self.procs.start_engines(argvs, [f"http://{cfg.host}:{p}" for p in ports], timeout_s=300)
+        self.check_engines()
+        self.procs.wait_trainers(timeout_s=300)
+        if "p2p" in cfg.modes:
             self.setup_p2p()
-        else:
+        if "broadcast" in cfg.modes:
             self.setup_broadcast()
 
     def check_engines(self) -> None:
@@ -189,12 +190,13 @@ class RunSession:
     def update(self, step: int) -> dict[str, Any]:
         """Move the weights into every engine; the timed section of a step."""
         cfg = self.cfg
+        mode = cfg.modes[step % len(cfg.modes)]
         on = self.procs.on_engines
         t0 = time.perf_counter()
         on(lambda c: c.pause_generation())
         t1 = time.perf_counter()
         on(lambda c: c.begin_weight_update())
-        if cfg.mode == "p2p":
+        if mode == "p2p":
             res = self.procs.command(Cmd.SEND_P2P)
             pack = max(x["pack_s"] for x in res)
             wire = max(x["wire_s"] for x in res)
@@ -215,7 +217,7 @@ class RunSession:
         t4 = time.perf_counter()
         post = [e.get("post_load_s", 0.0) if isinstance(e, dict) else 0.0 for e in ends]
         return {
-            "step": step, "mode": cfg.mode, "update_s": t4 - t1,
+            "step": step, "mode": mode, "update_s": t4 - t1,
             "phases": {"pause": t1 - t0, "pack": pack, "wire": wire, "barrier": barrier, "post_load": t3 - t2,
                        "resume": t4 - t3},
             "post_load_engine_s": max(post, default=0.0),
