@@ -248,7 +248,10 @@ class Engine:
         if should_abort is not None and should_abort():
             for b in active:
                 done[b] = True
-                results[b].finish_reason = {"type": "abort", "message": "generation paused (abort mode)"}
+                results[b].finish_reason = {
+                    "type": "abort",
+                    "message": "generation aborted (pause_generation or shutdown)",
+                }
             return
         tokens, logps = sample_tokens(logits[active], [reqs[b].sampling for b in active], [gens[b] for b in active])
         for k, b in enumerate(active):
