@@ -196,7 +196,7 @@ class BroadcastSender:
             tw = time.perf_counter()
             assert self.group is not None
             for _, t in tensors:
-                self.group.broadcast([t.contiguous()], 0).wait()
+                self.group.broadcast(t.contiguous(), 0).wait()
                 sent += t.numel() * t.element_size()
             wire_s += time.perf_counter() - tw
         total = time.perf_counter() - t0
