@@ -67,13 +67,20 @@ def _stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
 @pytest.mark.timeout(120)
 def test_tiny_engine_starts_within_budget_and_stops_cleanly(free_port: int, tmp_path: Path) -> None:
     """Wall time from launching the process to the first answered /generate (one CPU rank, dummy
-    weights): at most 10 s."""
+    weights): at most 10 s on an unloaded machine. When other processes keep the cores busy
+    (1-minute load above the core count) the engine gets only cores/load of the CPU, and the budget
+    stretches by load/cores."""
     log = tmp_path / "serve.log"
+    cores = os.cpu_count() or 1
+    load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     with _serve(["Qwen3-4B", "--scale", "tiny", "--load-format", "dummy"], free_port, log) as proc:
         _wait_answer(proc, free_port, 60.0, log)
         startup = time.monotonic() - t0
-        assert startup <= STARTUP_BUDGET_S, f"startup took {startup:.1f} s"
+        load = max(os.getloadavg()[0], load_before)
+        budget = STARTUP_BUDGET_S * max(1.0, load / cores)
+        print(f"startup {startup:.1f} s (budget {budget:.1f} s, load {load:.1f} on {cores} cores)")
+        assert startup <= budget, f"startup took {startup:.1f} s (budget {budget:.1f} s at load {load:.1f})"
         body = _generate(free_port).json()
         assert len(body["output_ids"]) == 4
         assert body["meta_info"]["weight_version"] == "default"
