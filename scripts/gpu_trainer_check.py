@@ -122,8 +122,8 @@ def _megatron_logits(model: Any, prompts: list[list[int]], vocab: int) -> list[A
 def check_logits(spec: Any, par: Any, rank: int, device: str, ckpt: Path, hf_dir: Path) -> dict[str, Any]:
     import torch
 
+    from weightsync.trainer.megatron_load import load_into_model
     from weightsync.trainer.megatron_model import build_gpt_model
-    from weightsync.trainer.train_step import load_into_model
 
     # GLM-5: weightsync's core attention is dense (no DSA top-k selection); with prompts no longer
     # than index_topk the indexer selects every earlier key, so the forwards must agree.

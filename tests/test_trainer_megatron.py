@@ -69,16 +69,11 @@ def _sharded_records(model):
 
 def _check_model(name, rank, ckpt_root):
     import torch
-    from megatron.core import dist_checkpointing
 
     from weightsync.models import get_model
     from weightsync.trainer.dist_layout import dist_chunks, extra_state_objects
-    from weightsync.trainer.megatron_model import (
-        build_gpt_model,
-        check_against_layout,
-        megatron_compat,
-        model_tensors,
-    )
+    from weightsync.trainer.megatron_load import load_with_megatron
+    from weightsync.trainer.megatron_model import build_gpt_model, check_against_layout, model_tensors
     from weightsync.trainer.torch_dist import read_rank_tensors
 
     spec = get_model(name, "tiny")
@@ -96,9 +91,7 @@ def _check_model(name, rank, ckpt_root):
     if live_objects != our_objects:
         problems.append(f"sharded objects differ: {sorted(live_objects ^ our_objects)[:3]}")
     ckpt = os.path.join(ckpt_root, name)
-    with megatron_compat():
-        loaded = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(ckpt, "release"))
-        model.load_state_dict(loaded, strict=False)
+    load_with_megatron(model, ckpt)
     mine = read_rank_tensors(ckpt, spec, par, rank)
     live = model_tensors(model)
     differ = [n for n in mine if not torch.equal(mine[n], live[n].data)]
@@ -154,6 +147,7 @@ def test_live_models_match_layout_and_checkpoint_format(tmp_path, free_port):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_trainer_check_script_passes_on_cpu(repo_root, tmp_path):
     """scripts/gpu_trainer_check.py on 2 CPU processes: logits parity with the engine and the

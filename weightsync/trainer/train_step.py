@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from weightsync.layout.parallel import TrainParallel
 from weightsync.models.spec import ModelSpec
+from weightsync.trainer.megatron_load import load_into_model
 from weightsync.trainer.megatron_model import build_gpt_model, check_against_layout, megatron_compat, model_tensors
-from weightsync.trainer.torch_dist import read_rank_tensors
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -217,25 +217,3 @@ class MegatronTrainer:
             if size > 1:
                 dist.all_reduce(p.grad, group=group)
                 p.grad.div_(size)
-
-
-def load_into_model(model: torch.nn.Module, ckpt_dir: str | Path, spec: ModelSpec, par: TrainParallel,
-                    rank: int) -> int:
-    """Load this rank's shards of a torch_dist checkpoint into a live model (in place).
-
-    Reads only the rank's chunks (:func:`read_rank_tensors`, on the CPU, in the layout's
-    dtypes) after checking the model's names and shapes against the trainer layout, then copies
-    them into the parameters (whatever their device and dtype).
-
-    Returns:
-        Bytes read.
-
-    Raises:
-        ValueError: the model differs from the layout, or the checkpoint lacks a tensor.
-    """
-    check_against_layout(model, spec, par, rank, check_dtype=False)
-    loaded = read_rank_tensors(ckpt_dir, spec, par, rank)
-    with torch.no_grad():
-        for name, t in model_tensors(model).items():
-            t.copy_(loaded[name])
-    return sum(t.numel() * t.element_size() for t in loaded.values())
