@@ -33,6 +33,7 @@ import logging
 import os
 import platform
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -43,10 +44,6 @@ from typing import Any
 from weightsync.launch.run import rollout_from_args, train_from_args
 
 log = logging.getLogger(__name__)
-
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-"""NVLink multicast stays off in everything the benchmark spawns (shared GPU hosts)."""
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registry model name (weightsync list)")
@@ -177,43 +174,25 @@ def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
 def run_processes(cfg: Any) -> list[dict[str, Any]]:
     """Spawn one process per trainer and rollout rank, collect their results (rank order).
 
+    SIGTERM (e.g. from ``timeout``) stops the children too; they also die with this process.
+
     Raises:
         RuntimeError: a process failed (its traceback is in the message) or the benchmark ran past
             its timeout; every process is stopped first.
     """
     import torch.multiprocessing as mp
 
-    from weightsync.launch.bench_worker import rank_main
+    from weightsync.launch.bench_worker import GPU_ENV, rank_main
 
     os.environ.update(GPU_ENV)  # spawned children inherit it
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, cfg, results), daemon=True) for r in range(cfg.world_size)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, Any]] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + cfg.timeout_s + 30
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        while len(got) + len(errors) < len(procs):
-            if errors and time.monotonic() > deadline:
-                break
-            try:
-                rank, status, payload = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
-                if dead and not errors:
-                    errors[dead[0]] = f"exit code {procs[dead[0]].exitcode}"
-                    deadline = time.monotonic() + 5.0
-                if time.monotonic() > deadline:
-                    break
-                continue
-            if status == "ok":
-                got[rank] = payload
-                continue
-            if not errors:  # the others usually fail in turn (a peer closed): give them a moment
-                deadline = time.monotonic() + 5.0
-            errors[rank] = payload
+        for p in procs:
+            p.start()
+        got, errors = _collect(procs, results, cfg.timeout_s + 30)
         if errors:
             text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
             raise RuntimeError(f"benchmark ranks {sorted(errors)} failed:\n{text}")
@@ -222,12 +201,44 @@ def run_processes(cfg: Any) -> list[dict[str, Any]]:
         for p in procs:
             p.join(timeout=60)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for p in procs:
             if p.is_alive():
                 p.terminate()
         for p in procs:
-            p.join(timeout=10)
+            if p.pid is not None:
+                p.join(timeout=10)
     return [got[r] for r in range(len(procs))]
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _collect(procs: list[Any], results: Any, timeout_s: float) -> tuple[dict[int, Any], dict[int, str]]:
+    """Results and errors by rank, until every process answered, one died, or ``timeout_s``.
+
+    After the first error the others get 5 s to report theirs (they usually fail in turn, a peer
+    having closed its connections), so that the first cause is in the message.
+    """
+    got: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) + len(errors) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, status, payload = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got and i not in errors]
+            if dead:
+                errors[dead[0]] = f"exited with code {procs[dead[0]].exitcode} without a result"
+                deadline = min(deadline, time.monotonic() + 5.0)
+            continue
+        if status == "ok":
+            got[rank] = payload
+        else:
+            errors[rank] = payload
+            deadline = min(deadline, time.monotonic() + 5.0)
+    return got, errors
 
 
 def _gbps(nbytes: float, seconds: float) -> float | None:

@@ -28,6 +28,7 @@ import ctypes
 import datetime
 import logging
 import os
+import signal
 import time
 import traceback
 from collections import defaultdict
@@ -49,6 +50,8 @@ from weightsync.plan.inputs import PlanInputs, build_inputs
 from weightsync.rollout.params import ParamStore
 
 log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set in every process the benchmark spawns: NVLink multicast stays off on shared GPU hosts."""
@@ -495,8 +498,21 @@ def run_rank(bench: BenchRank) -> dict[str, Any]:
     return out
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the launcher dies (a killed launcher must not leave
+    ranks holding GPU memory); a no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher is already gone
+        os._exit(1)
+
+
 def rank_main(rank: int, cfg: BenchConfig, results: Any) -> None:
     """Entry point of a spawned benchmark process; puts one result on ``results``."""
+    _die_with_parent()
     os.environ.update(GPU_ENV)
     logging.basicConfig(level=logging.INFO, format=f"[bench rank{rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.threads)
