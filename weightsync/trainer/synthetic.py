@@ -34,11 +34,13 @@ from typing import Any
 
 import torch
 
-from weightsync.layout.box import Box, LocalTensor, box_shape, box_volume
+from weightsync.layout.box import Box, LocalTensor, Piece, box_shape, box_volume, full_box
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.parallel import TrainParallel
+from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.models.hf import global_tensors
 from weightsync.models.spec import ModelSpec
+from weightsync.trainer.hf_source import global_reader
 from weightsync.trainer.torch_dist import read_rank_tensors, torch_dtype
 
 _M32 = 0xFFFFFFFF
@@ -301,9 +303,7 @@ def advance(name: str, tensor: torch.Tensor, step: int, update: SyntheticUpdate,
     return tensor
 
 
-def _whole_piece(name: str, shape: tuple[int, ...]) -> Any:
-    from weightsync.layout.box import Piece, full_box
-
+def _whole_piece(name: str, shape: tuple[int, ...]) -> Piece:
     return Piece(name, full_box(shape), full_box(shape))
 
 
@@ -326,9 +326,6 @@ def reference_global_tensors(hf_dir: str | Path, spec: ModelSpec, *, step: int, 
     Returns:
         ``read(global_name) -> tensor`` (computed on first use, cached).
     """
-    from weightsync.models.checkpoint import HFCheckpoint
-    from weightsync.trainer.hf_source import global_reader
-
     update = SyntheticUpdate(seed=seed, lr=lr)
     table = global_tensors(spec)
     cache: dict[str, torch.Tensor] = {}
