@@ -297,7 +297,7 @@ class BenchRank:
             return None
         n = min(nbytes, self.cfg.local_copy_bytes)
         src = torch.empty(n, dtype=torch.uint8, device=self.device)
-        for off in range(0, n, self.source.numel()):  # random bytes: never time zeros
+        for off in range(0, n, max(1, self.source.numel())):  # random bytes: never time zeros
             k = min(self.source.numel(), n - off)
             src[off : off + k].copy_(self.source[:k])
         out: dict[str, Any] = {"bytes": n}
@@ -320,6 +320,7 @@ class BenchRank:
     def memcpy(self, infos: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
         """The link's rate: every trainer writes the bytes it sends each rollout rank in p2p as one
         contiguous run (disjoint destination ranges), concurrently, through the transport."""
+        from weightsync.rollout.receiver import PARAMS_REGION
         from weightsync.transport import PeerDescriptor
 
         mine = self.bytes_by_dest() if self.is_trainer else {}
@@ -331,7 +332,7 @@ class BenchRank:
                 transport.register_tensor("source", self.source)
                 for d, n in sorted(mine.items()):
                     desc = PeerDescriptor.from_json(infos[d]["descriptor"])
-                    region = desc.regions[0]
+                    region = desc.region(PARAMS_REGION)
                     off = sum(everyone[t].get(d, 0) for t in range(self.local))
                     n = min(n, self.source.numel(), region.nbytes - off)
                     if n > 0:
