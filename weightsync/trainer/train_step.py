@@ -166,12 +166,18 @@ class MegatronTrainer:
         load_into_model(model, ckpt_dir, spec, par, rank)
         return cls(model, spec, par, rank, lr=lr)
 
-    def step(self, batch: TokenBatch) -> dict[str, float]:
-        """One REINFORCE step on ``batch`` (collective over the job).
+    def step(self, batch: TokenBatch | list[dict[str, Any]]) -> dict[str, float]:
+        """One REINFORCE step (collective over the job).
+
+        Args:
+            batch: a :class:`TokenBatch`, or rollout samples ``{"prompt_ids", "output_ids",
+                "reward"}`` (turned into one with :func:`batch_from_samples`).
 
         Returns:
             ``{"step", "loss", "tokens", "mean_logprob", "grad_norm"}`` (loss before the update).
         """
+        if not isinstance(batch, TokenBatch):
+            batch = batch_from_samples(batch, device=self._master[0].device)
         self.model.train()
         for p in self._trainable:
             p.grad = None
