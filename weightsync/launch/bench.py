@@ -45,6 +45,7 @@ from weightsync.launch.run import rollout_from_args, train_from_args
 
 log = logging.getLogger(__name__)
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registry model name (weightsync list)")
     p.add_argument("--scale", default="tiny", help="full | layers=N | tiny (default tiny)")
@@ -245,18 +246,25 @@ def _gbps(nbytes: float, seconds: float) -> float | None:
     return nbytes / seconds / 1e9 if seconds > 0 else None
 
 
+def _runs_of(rank: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    part = rank[key]
+    return part["runs"] if isinstance(part, dict) else part
+
+
 def _timed_runs(ranks: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
-    """Per run (warm-up first): the slowest process's window, and the trainer maxima/sums."""
+    """Per run (warm-up first): the slowest process's window, and the wire and pack times of the
+    trainer rank with the longest wire time (p2p: the slowest sender; broadcast: the source)."""
     out = []
-    for i in range(len(ranks[0][key]["runs"] if "runs" in ranks[0][key] else ranks[0][key])):
-        rows = [(r[key]["runs"] if "runs" in r[key] else r[key])[i] for r in ranks]
-        tr = [row for row, r in zip(rows, ranks, strict=True) if r["role"] == "trainer"]
+    for i in range(len(_runs_of(ranks[0], key))):
+        rows = [_runs_of(r, key)[i] for r in ranks]
+        trainers = [row for row, r in zip(rows, ranks, strict=True) if r["role"] == "trainer"]
+        slowest = max(trainers, key=lambda row: row.get("wire_s", row.get("own_s", 0.0)), default={})
         out.append(
             {
                 "window_s": max(row["window_s"] for row in rows),
                 "warmup": rows[0]["warmup"],
-                "wire_s": max((row.get("wire_s", row.get("own_s", 0.0)) for row in tr), default=0.0),
-                "pack_s": max((row.get("pack_s", 0.0) for row in tr), default=0.0),
+                "wire_s": slowest.get("wire_s", slowest.get("own_s", 0.0)),
+                "pack_s": slowest.get("pack_s", 0.0),
             }
         )
     return out
