@@ -89,6 +89,9 @@ class RunConfig:
     host: str = "127.0.0.1"
     embedded_default: bool = False
     """True when the profile did not fit this machine and the tiny CPU default runs instead."""
+    engine_urls: tuple[str, ...] = ()
+    """Engines already serving (``--engine-urls``): the run updates them and starts none; one URL
+    per engine of ``rollout``."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,8 @@ class RunConfig:
             raise ValueError(f"--num-rollout must be >= 1, got {self.num_steps}")
         if self.transport not in ("auto", "shm", "mooncake", "cuda_ipc"):
             raise ValueError(f"unknown transport {self.transport!r}: use auto, shm, mooncake or cuda_ipc")
+        if self.engine_urls and len(self.engine_urls) != self.rollout.num_engines:
+            raise ValueError(f"{len(self.engine_urls)} engine URL(s) for {self.rollout.num_engines} engine(s)")
 
     @property
     def modes(self) -> tuple[str, ...]:

@@ -69,12 +69,30 @@ class EngineProc:
         self._log.close()
 
 
+class AttachedEngine:
+    """An engine this run did not start (``--engine-urls``): reached over HTTP, never stopped."""
+
+    def __init__(self, index: int, url: str) -> None:
+        self.index = index
+        self.url = url
+        self.client = EngineClient(url)
+
+    def alive(self) -> bool:
+        return True
+
+    def tail(self, n: int = 30) -> str:
+        return ""
+
+    def stop(self) -> None:
+        self.client.close()
+
+
 class LocalProcs:
     """Starts, drives and stops the engines and trainer ranks of a run on this machine."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
-        self.engines: list[EngineProc] = []
+        self.engines: list[EngineProc | AttachedEngine] = []
         self._workers: list[Any] = []
         self._conns: list[Any] = []
         self._pool = ThreadPoolExecutor(max_workers=16)
@@ -95,6 +113,10 @@ class LocalProcs:
                 e.client.wait_healthy(timeout_s=timeout_s, proc_alive=e.alive)
             except EngineError as exc:
                 raise EngineError(f"{exc}\n--- engine {e.index} log ({e.log_path}) ---\n{e.tail()}") from None
+
+    def attach_engines(self, urls: Sequence[str]) -> None:
+        """Use engines that are already serving (they are left running on close)."""
+        self.engines.extend(AttachedEngine(len(self.engines) + i, u) for i, u in enumerate(urls))
 
     def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` in the launcher's thread pool (a future)."""

@@ -2,7 +2,8 @@
 
 A step record is a plain dict (JSON-safe) with at least ``step``, ``mode``, ``update_s``,
 ``phases`` (phase name -> seconds), ``bytes`` (bytes put on links), ``bytes_per_receiver``
-(rollout rank -> bytes), ``validation`` (name -> "pass" / "fail: ..." / "skipped") and
+(rollout rank -> bytes), ``buckets`` (p2p: staging buckets of all trainer ranks; broadcast: buckets
+broadcast), ``validation`` (name -> "pass" / "fail: ..." / "skipped") and
 ``logprob_max_abs_diff``.
 """
 

@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from weightsync.launch.config import EnvSettings, RunConfig, env_settings
@@ -35,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="auto", help="p2p transport: auto | shm | mooncake | cuda_ipc")
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--engine-urls", default="",
+                   help="comma-separated URLs of engines already serving this run's model and layout (started "
+                        "with `weightsync serve`): update them instead of starting engines; one URL per engine")
 
 
 def parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, int]:
@@ -95,15 +99,20 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
         raise ValueError(f"this run needs {train.world_size + rollout.world_size} GPUs on one node "
                          f"({train.world_size} train + {rollout.world_size} rollout); this machine has {have}. "
                          "Placement across several nodes is not built yet.")
+    urls = tuple(u.strip().rstrip("/") for u in args.engine_urls.split(",") if u.strip())
+    if urls:
+        rollout = replace(rollout, num_engines=len(urls))
     log_dir = env.log_dir or Path("logs") / f"{args.model}_{args.mode}_{time.strftime('%Y%m%d-%H%M%S')}"
     return RunConfig(model=args.model, scale=scale, mode=args.mode, device=device, train=train, rollout=rollout,
                      num_steps=args.num_rollout, env=env, log_dir=Path(log_dir), transport=args.transport,
                      prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
-                     embedded_default=embedded)
+                     embedded_default=embedded, engine_urls=urls)
 
 
 def main(args: argparse.Namespace) -> int:
-    from weightsync.launch.session import RunSession
+    from weightsync.launch.engine_client import EngineError
+    from weightsync.launch.procs import TrainerError
+    from weightsync.launch.session import RunError, RunSession
     from weightsync.trainer.prepare import ensure_prepared
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -119,5 +128,11 @@ def main(args: argparse.Namespace) -> int:
     hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train)
     print(f"model {cfg.model} ({cfg.scale}), mode {cfg.mode}, {cfg.device}; checkpoint {hf_dir}; logs {cfg.log_dir}",
           flush=True)
-    summary = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir).run()
+    try:
+        summary = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir).run()
+    except (RunError, EngineError, TrainerError) as exc:
+        # The message says what failed (a trainer rank's traceback is in it); the launcher's own
+        # stack adds nothing.
+        print(f"weightsync run: {exc}", file=sys.stderr)
+        return 1
     return 0 if summary["validation_passed"] else 1

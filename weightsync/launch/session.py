@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -86,29 +87,48 @@ class RunSession:
         argvs = [
             serve_argv(model=cfg.model, scale=cfg.scale, tp=r.tp, ep=r.ep, dp=r.dp, device=cfg.device, port=p,
                        checkpoint=None if cfg.env.skip_validation else self.hf_dir, transport=self._transport(),
-                       host=cfg.host)
+                       host=cfg.host, extra=self._mooncake_args())
             for p in ports
         ]
-        print(f"starting {r.num_engines} engine(s) of {r.tp} rank(s) and {cfg.train.world_size} trainer rank(s) ...",
-              flush=True)
+        if cfg.engine_urls:
+            print(f"using {r.num_engines} running engine(s); starting {cfg.train.world_size} trainer rank(s) ...",
+                  flush=True)
+        else:
+            print(f"starting {r.num_engines} engine(s) of {r.tp} rank(s) and {cfg.train.world_size} trainer rank(s) "
+                  "...", flush=True)
         wcfg = WorkerConfig(model=cfg.model, scale=cfg.scale, train=cfg.train, rollout=cfg.rollout,
                             ckpt_dir=str(self.torch_dist_dir), master_addr=cfg.host, master_port=free_port(cfg.host),
                             device=cfg.device, bucket_bytes=cfg.bucket_bytes, transport=self._transport(),
                             mooncake_protocol=cfg.env.mooncake_protocol, mooncake_device=cfg.env.mooncake_device,
                             seed=cfg.seed)
-        self.procs.spawn_trainers(wcfg)  # they load their shards while the engines start
-        self.procs.start_engines(argvs, [f"http://{cfg.host}:{p}" for p in ports], timeout_s=300)
-        self.check_engines()
+        if cfg.engine_urls:
+            self.procs.attach_engines(cfg.engine_urls)
+            self.check_engines()  # before any trainer rank exists: nothing to undo on a mismatch
+            self.procs.spawn_trainers(wcfg)
+        else:
+            self.procs.spawn_trainers(wcfg)  # they load their shards while the engines start
+            self.procs.start_engines(argvs, [f"http://{cfg.host}:{p}" for p in ports], timeout_s=300)
+            self.check_engines()
         self.procs.wait_trainers(timeout_s=300)
         if "p2p" in cfg.modes:
             self.setup_p2p()
         if "broadcast" in cfg.modes:
             self.setup_broadcast()
 
+    def _mooncake_args(self) -> list[str]:
+        """The engine's Mooncake settings (the launcher alone reads ``MOONCAKE_*``)."""
+        if self._transport() != "mooncake":
+            return []
+        env = self.cfg.env
+        return ["--mooncake-protocol", env.mooncake_protocol] + (
+            ["--mooncake-device", env.mooncake_device] if env.mooncake_device else [])
+
     def check_engines(self) -> None:
         """Refuse engines that serve another model or layout, before any byte is written."""
         r = self.cfg.rollout
         want = {"model": self.cfg.model, "scale": self.cfg.scale, "tp_size": r.tp, "ep_size": r.ep, "dp_size": r.dp}
+        if "p2p" in self.cfg.modes:
+            want["transport"] = self._transport()
         for i, info in enumerate(self.procs.on_engines(lambda c: c.server_info())):
             problems = [f"{k}={info.get(k)!r} (this run needs {v!r})" for k, v in want.items() if info.get(k) != v]
             if problems:
@@ -205,8 +225,10 @@ class RunSession:
                 for d, n in x["bytes_by_dest"].items():
                     by_dest[int(d)] = by_dest.get(int(d), 0) + n
             nbytes = sum(x["bytes"] for x in res)
+            buckets = sum(x["buckets"] for x in res)
         else:
             pack, wire, nbytes, by_dest = self._broadcast_all()
+            buckets = len(self._buckets)
         t2 = time.perf_counter()
         barrier = max(0.0, (t2 - t1) - pack - wire)
         ends = on(lambda c: c.end_weight_update())
@@ -222,6 +244,7 @@ class RunSession:
                        "resume": t4 - t3},
             "post_load_engine_s": max(post, default=0.0),
             "bytes": nbytes, "bytes_per_receiver": {str(k): v for k, v in sorted(by_dest.items())},
+            "buckets": buckets,
         }
 
     def _broadcast_all(self) -> tuple[float, float, int, dict[int, int]]:
@@ -314,7 +337,8 @@ class RunSession:
 
     def finish(self) -> dict[str, Any]:
         meta = {"model": self.cfg.model, "scale": self.cfg.scale, "mode": self.cfg.mode, "device": self.cfg.device,
-                "train": repr(self.cfg.train), "rollout": repr(self.cfg.rollout), "transport": self._transport(),
+                "checkpoint": str(self.hf_dir),
+                "train": asdict(self.cfg.train), "rollout": asdict(self.cfg.rollout), "transport": self._transport(),
                 "bucket_bytes": self.cfg.bucket_bytes, "embedded_default": self.cfg.embedded_default,
                 "dest_bytes_per_receiver": self._dest_bytes()}
         path = write_results(self.cfg.log_dir, meta, self.steps)

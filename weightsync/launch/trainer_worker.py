@@ -121,7 +121,8 @@ class Worker:
         t0 = time.perf_counter()
         dist.barrier()
         return {"total_s": stats.total_s, "pack_s": stats.pack_s, "wire_s": stats.wire_s,
-                "barrier_s": time.perf_counter() - t0, "bytes": stats.nbytes, "bytes_by_dest": stats.bytes_by_dest}
+                "barrier_s": time.perf_counter() - t0, "bytes": stats.nbytes, "bytes_by_dest": stats.bytes_by_dest,
+                "buckets": self.sender.num_buckets}
 
     def setup_broadcast(self, group: dict[str, Any]) -> dict[str, Any]:
         from weightsync.trainer.broadcast import BroadcastSender

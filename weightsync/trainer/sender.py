@@ -205,6 +205,11 @@ class P2PSender:
         self.bytes_direct = sum(b.nbytes for b in self._direct.values())
         self.bytes_staged = sum(s.nbytes for b in self._buckets for s in b)
 
+    @property
+    def num_buckets(self) -> int:
+        """Staging buckets replayed every step (0 when every op is written straight from parameters)."""
+        return len(self._buckets)
+
     # -- compile (once) -----------------------------------------------------------------------
 
     def _device(self) -> torch.device:
