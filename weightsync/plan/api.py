@@ -73,13 +73,7 @@ def plan_for_rank(inputs: PlanInputs, mode: str = "p2p", *, src_rank: int | None
     with paused_gc():
         if mode == "p2p":
             return plan_p2p_for_rank(inputs, src_rank=src_rank, dst_rank=dst_rank)
-        if dst_rank is not None:
-            return plan_broadcast(inputs, bucket_bytes=bucket_bytes, dst_rank=dst_rank)
-        whole = plan_broadcast(inputs, bucket_bytes=bucket_bytes)
-    sender = tuple(b if r == src_rank else 0 for r, b in enumerate(whole.sender_bytes))
-    return Plan(mode="broadcast", table=whole.table.select(whole.table.src_rank == src_rank), sender_bytes=sender,
-                receiver_bytes=whole.receiver_bytes, src_rank=src_rank,
-                buckets=tuple(b for b in whole.buckets if b.src_rank == src_rank))
+        return plan_broadcast(inputs, bucket_bytes=bucket_bytes, dst_rank=dst_rank, src_rank=src_rank)
 
 
 def plan_source_layouts(plan: Plan, inputs: PlanInputs) -> tuple[tuple[LocalTensor, ...], ...]:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from weightsync.layout.box import LocalTensor, Piece, box_volume, full_box
 from weightsync.models.hf import DTYPE_BYTES
 from weightsync.plan.inputs import PlanInputs
-from weightsync.plan.p2p import HolderRule, assemble, expand
+from weightsync.plan.p2p import HolderRule, assemble, expand, tensors_touching
 from weightsync.plan.records import Bucket, Plan
 from weightsync.plan.region_table import NameTable, build_region_table
 from weightsync.plan.regions import Cutter, SourceIndex
@@ -124,36 +124,45 @@ def _gather_bytes(inputs: PlanInputs, gathered: tuple[tuple[LocalTensor, ...], .
 
 
 def plan_broadcast(inputs: PlanInputs, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dst_rank: int | None = None,
-                   stage_of: Callable[[int], int] | None = None) -> Plan:
-    """The broadcast plan (or, with ``dst_rank``, one receiver's share of it).
+                   src_rank: int | None = None, stage_of: Callable[[int], int] | None = None) -> Plan:
+    """The broadcast plan, or one rank's share of it (``dst_rank`` or ``src_rank``, not both).
 
     Args:
         inputs: planner inputs.
         bucket_bytes: bucket size limit (a tensor larger than it gets a bucket of its own).
         dst_rank: only this rollout rank's ops.
+        src_rank: only the ops out of this trainer rank's buckets (empty unless it is a stage source).
         stage_of: trainer rank -> PP stage (default: Megatron's order, pp outermost).
 
     Returns:
-        The plan; ``buckets`` lists what each stage source broadcasts.
+        The plan; ``buckets`` lists what each stage source broadcasts (the rank's own for ``src_rank``).
     """
+    if dst_rank is not None and src_rank is not None:
+        raise ValueError("give at most one of src_rank and dst_rank")
     gathered = gathered_layouts(inputs, stage_of)
     sources = SourceIndex(enumerate(gathered))
     buckets = _buckets(gathered, bucket_bytes)
     tp = inputs.rollout.tp
     dst = list(range(inputs.num_dest)) if dst_rank is None else [dst_rank]
+    only: dict[int, set[int]] | None = None
+    if src_rank is not None:
+        only = tensors_touching(inputs, {t.name for t in gathered[src_rank]})
+        buckets = tuple(b for b in buckets if b.src_rank == src_rank)
     names = NameTable(inputs.globals)
     cutter = Cutter(sources, inputs.globals)
-    tables = {r: build_region_table(inputs.engine_layouts[r], r, cutter, names)
+    tables = {r: build_region_table(inputs.engine_layouts[r], r, cutter, names, None if only is None else only[r])
               for r in sorted({d % tp for d in dst})}
     rule = HolderRule(inputs, names.holders())
     chunks = []
     for d in dst:
-        chunks.extend(expand(tables[d % tp], rule, [d], None))
+        chunks.extend(expand(tables[d % tp], rule, [d], src_rank))
     plan = assemble("broadcast", inputs, names, chunks)
     total = sum(b.nbytes for b in buckets)
     sender = [0] * inputs.train.world_size
     for b in buckets:
         sender[b.src_rank] += b.nbytes
     receiver = tuple(total if d in dst else 0 for d in range(inputs.num_dest))
+    whole = dst_rank is None and src_rank is None
     return Plan(mode="broadcast", table=plan.table, sender_bytes=tuple(sender), receiver_bytes=receiver,
-                dst_rank=dst_rank, buckets=buckets, gather_bytes=_gather_bytes(inputs, gathered))
+                dst_rank=dst_rank, src_rank=src_rank, buckets=buckets,
+                gather_bytes=_gather_bytes(inputs, gathered) if whole else 0)

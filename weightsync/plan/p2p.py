@@ -223,33 +223,49 @@ def plan_p2p_for_rank(inputs: PlanInputs, *, src_rank: int | None = None, dst_ra
     """
     if (src_rank is None) == (dst_rank is None):
         raise ValueError("give exactly one of src_rank and dst_rank")
-    if sources is None:
-        sources = SourceIndex(enumerate(inputs.source_layouts))
-    names = NameTable(inputs.globals)
-    cutter = Cutter(sources, inputs.globals)
     tp = inputs.rollout.tp
     if dst_rank is not None:
         if not 0 <= dst_rank < inputs.num_dest:
             raise ValueError(f"dst_rank {dst_rank} outside the {inputs.num_dest} rollout ranks")
-        rt = build_region_table(inputs.engine_layouts[dst_rank % tp], dst_rank % tp, cutter, names)
-        rule = HolderRule(inputs, names.holders())
-        return assemble("p2p", inputs, names, expand(rt, rule, [dst_rank], None), dst_rank=dst_rank)
-    assert src_rank is not None
-    if not 0 <= src_rank < inputs.train.world_size:
-        raise ValueError(f"src_rank {src_rank} outside the {inputs.train.world_size} trainer ranks")
-    needed = _tensors_touching(inputs, src_rank)
-    tables = [build_region_table(inputs.engine_layouts[r], r, cutter, names, needed[r])
-              for r in range(tp)]
+        only: dict[int, set[int] | None] = {dst_rank % tp: None}
+    else:
+        assert src_rank is not None
+        if not 0 <= src_rank < inputs.train.world_size:
+            raise ValueError(f"src_rank {src_rank} outside the {inputs.train.world_size} trainer ranks")
+        held = {p.global_name for t in inputs.source_layouts[src_rank] if not t.derived for p in t.pieces}
+        only = dict(tensors_touching(inputs, held))
+    if sources is None:  # index only what the tensors to cut read
+        sources = SourceIndex(enumerate(inputs.source_layouts), _source_globals(inputs, only))
+    names = NameTable(inputs.globals)
+    cutter = Cutter(sources, inputs.globals)
+    tables = {r: build_region_table(inputs.engine_layouts[r], r, cutter, names, idx) for r, idx in only.items()}
     rule = HolderRule(inputs, names.holders())
+    dst = [dst_rank] if dst_rank is not None else range(inputs.num_dest)
     chunks = []
-    for d in range(inputs.num_dest):
+    for d in dst:
         chunks.extend(expand(tables[d % tp], rule, [d], src_rank))
-    return assemble("p2p", inputs, names, chunks, src_rank=src_rank)
+    return assemble("p2p", inputs, names, chunks, src_rank=src_rank, dst_rank=dst_rank)
 
 
-def _tensors_touching(inputs: PlanInputs, src_rank: int) -> dict[int, set[int]]:
-    """Per engine rank, the indexes of the tensors that need a global tensor ``src_rank`` holds."""
-    held = {p.global_name for t in inputs.source_layouts[src_rank] if not t.derived for p in t.pieces}
+def _source_globals(inputs: PlanInputs, only: dict[int, set[int] | None]) -> set[str]:
+    """The source global tensors that the given engine tensors read (a scale reads its weight)."""
+    gl = inputs.globals
+    out = set()
+    for r, idx in only.items():
+        for i, t in enumerate(inputs.engine_layouts[r]):
+            if idx is not None and i not in idx:
+                continue
+            for p in t.pieces:
+                g = gl.get(p.global_name)
+                out.add(p.global_name)
+                if g is not None and g.quant_of is not None:
+                    out.add(g.quant_of)
+    return out
+
+
+def tensors_touching(inputs: PlanInputs, held: set[str]) -> dict[int, set[int]]:
+    """Per engine rank, the indexes of its tensors that need one of the global tensors ``held``
+    (directly, or as the weight of a scale tensor)."""
     gl = inputs.globals
     out: dict[int, set[int]] = {}
     for r, tensors in enumerate(inputs.engine_layouts):

@@ -157,12 +157,16 @@ def _holder_key(h: Holder) -> tuple[int, str]:
 class SourceIndex:
     """Source pieces of every global tensor, grouped by global box (disjoint after refinement)."""
 
-    def __init__(self, layouts: Iterable[tuple[int, Sequence[LocalTensor]]]) -> None:
-        """Args: layouts: ``(source rank, its local tensors)`` pairs, e.g. ``enumerate(layouts)``."""
+    def __init__(self, layouts: Iterable[tuple[int, Sequence[LocalTensor]]], names: set[str] | None = None
+                 ) -> None:
+        """Args:
+            layouts: ``(source rank, its local tensors)`` pairs, e.g. ``enumerate(layouts)``.
+            names: index only these global tensors (a rank planning its own share needs few).
+        """
         self._raw: dict[str, dict[Box, list[Holder]]] = {}
         for rank, tensors in layouts:
             for t in tensors:
-                if t.derived:
+                if t.derived or (names is not None and not any(p.global_name in names for p in t.pieces)):
                     continue
                 for p in normalize_pieces(t):
                     self._raw.setdefault(p.global_name, {}).setdefault(p.global_box, []).append(Holder(rank, t, p))
