@@ -19,7 +19,7 @@ from collections.abc import Callable
 from weightsync.layout.box import LocalTensor, Piece, box_volume, full_box
 from weightsync.models.hf import DTYPE_BYTES
 from weightsync.plan.inputs import PlanInputs
-from weightsync.plan.p2p import HolderRule, assemble, expand, tensors_touching
+from weightsync.plan.p2p import HolderRule, assemble, expand, source_globals, tensors_touching
 from weightsync.plan.records import Bucket, Plan
 from weightsync.plan.region_table import NameTable, build_region_table
 from weightsync.plan.regions import Cutter, SourceIndex
@@ -140,18 +140,18 @@ def plan_broadcast(inputs: PlanInputs, *, bucket_bytes: int = DEFAULT_BUCKET_BYT
     if dst_rank is not None and src_rank is not None:
         raise ValueError("give at most one of src_rank and dst_rank")
     gathered = gathered_layouts(inputs, stage_of)
-    sources = SourceIndex(enumerate(gathered))
     buckets = _buckets(gathered, bucket_bytes)
     tp = inputs.rollout.tp
     dst = list(range(inputs.num_dest)) if dst_rank is None else [dst_rank]
-    only: dict[int, set[int]] | None = None
+    only: dict[int, set[int] | None] = dict.fromkeys(sorted({d % tp for d in dst}))
     if src_rank is not None:
-        only = tensors_touching(inputs, {t.name for t in gathered[src_rank]})
+        only = dict(tensors_touching(inputs, {t.name for t in gathered[src_rank]}))
         buckets = tuple(b for b in buckets if b.src_rank == src_rank)
+    whole = dst_rank is None and src_rank is None
+    sources = SourceIndex(enumerate(gathered), None if whole else source_globals(inputs, only))
     names = NameTable(inputs.globals)
     cutter = Cutter(sources, inputs.globals)
-    tables = {r: build_region_table(inputs.engine_layouts[r], r, cutter, names, None if only is None else only[r])
-              for r in sorted({d % tp for d in dst})}
+    tables = {r: build_region_table(inputs.engine_layouts[r], r, cutter, names, idx) for r, idx in only.items()}
     rule = HolderRule(inputs, names.holders())
     chunks = []
     for d in dst:
@@ -162,7 +162,6 @@ def plan_broadcast(inputs: PlanInputs, *, bucket_bytes: int = DEFAULT_BUCKET_BYT
     for b in buckets:
         sender[b.src_rank] += b.nbytes
     receiver = tuple(total if d in dst else 0 for d in range(inputs.num_dest))
-    whole = dst_rank is None and src_rank is None
     return Plan(mode="broadcast", table=plan.table, sender_bytes=tuple(sender), receiver_bytes=receiver,
                 dst_rank=dst_rank, src_rank=src_rank, buckets=buckets,
                 gather_bytes=_gather_bytes(inputs, gathered) if whole else 0)

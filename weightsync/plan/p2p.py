@@ -235,7 +235,7 @@ def plan_p2p_for_rank(inputs: PlanInputs, *, src_rank: int | None = None, dst_ra
         held = {p.global_name for t in inputs.source_layouts[src_rank] if not t.derived for p in t.pieces}
         only = dict(tensors_touching(inputs, held))
     if sources is None:  # index only what the tensors to cut read
-        sources = SourceIndex(enumerate(inputs.source_layouts), _source_globals(inputs, only))
+        sources = SourceIndex(enumerate(inputs.source_layouts), source_globals(inputs, only))
     names = NameTable(inputs.globals)
     cutter = Cutter(sources, inputs.globals)
     tables = {r: build_region_table(inputs.engine_layouts[r], r, cutter, names, idx) for r, idx in only.items()}
@@ -247,7 +247,7 @@ def plan_p2p_for_rank(inputs: PlanInputs, *, src_rank: int | None = None, dst_ra
     return assemble("p2p", inputs, names, chunks, src_rank=src_rank, dst_rank=dst_rank)
 
 
-def _source_globals(inputs: PlanInputs, only: dict[int, set[int] | None]) -> set[str]:
+def source_globals(inputs: PlanInputs, only: dict[int, set[int] | None]) -> set[str]:
     """The source global tensors that the given engine tensors read (a scale reads its weight)."""
     gl = inputs.globals
     out = set()
