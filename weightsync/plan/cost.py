@@ -63,8 +63,9 @@ def _dest_itemsize(plan: Plan, inputs: PlanInputs) -> np.ndarray:
     return sizes[inv] if len(uniq) else np.zeros(0, dtype=np.int64)
 
 
-def _link_class(inputs: PlanInputs, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """0 local, 1 node, 2 network for each (trainer rank, rollout rank) pair."""
+def link_class(inputs: PlanInputs, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Index into :data:`LINK_CLASSES` (0 local, 1 node, 2 network) of each (trainer rank, rollout
+    rank) pair, from the placement: what a transport factory picks its backend by."""
     tn = np.array([d.node for d in inputs.train_devices])[src]
     tg = np.array([d.gpu for d in inputs.train_devices])[src]
     rn = np.array([d.node for d in inputs.rollout_devices])[dst]
@@ -85,7 +86,7 @@ def estimate(plan: Plan, inputs: PlanInputs, bandwidth: LinkBandwidth | None = N
     if plan.mode == "p2p":
         t = plan.table
         nbytes = np.prod(t.d_hi.astype(np.int64) - t.d_lo, axis=1) * _dest_itemsize(plan, inputs)
-        cls = _link_class(inputs, t.src_rank, t.dst_rank)
+        cls = link_class(inputs, t.src_rank, t.dst_rank)
         send_time = np.bincount(t.src_rank, weights=nbytes / rate[cls], minlength=n_src)
         recv_time = np.bincount(t.dst_rank, weights=nbytes / rate[cls], minlength=n_dst)
         link = np.bincount(cls, weights=nbytes, minlength=3)
@@ -93,7 +94,7 @@ def estimate(plan: Plan, inputs: PlanInputs, bandwidth: LinkBandwidth | None = N
         src = np.array([b.src_rank for b in plan.buckets], dtype=np.int64)
         size = np.array([b.nbytes for b in plan.buckets], dtype=np.float64)
         dst = np.arange(n_dst)
-        cls = _link_class(inputs, np.repeat(src, n_dst), np.tile(dst, len(src)))
+        cls = link_class(inputs, np.repeat(src, n_dst), np.tile(dst, len(src)))
         per = np.repeat(size, n_dst)
         recv_time = np.bincount(np.tile(dst, len(src)), weights=per / rate[cls], minlength=n_dst)
         link = np.bincount(cls, weights=per, minlength=3)
