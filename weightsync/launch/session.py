@@ -25,7 +25,13 @@ from weightsync.launch.engine_client import EngineError
 from weightsync.launch.procs import LocalProcs, free_port, serve_argv
 from weightsync.launch.report import plot_phases, step_table, summary, write_results
 from weightsync.launch.trainer_worker import Cmd, WorkerConfig
-from weightsync.launch.validate import PARITY_PROMPTS, compare_checksums, expected_checksums, max_abs_diff
+from weightsync.launch.validate import (
+    PARITY_PROMPTS,
+    as_engine_holds,
+    compare_checksums,
+    expected_checksums,
+    max_abs_diff,
+)
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
@@ -326,13 +332,14 @@ class RunSession:
 
         body = {"text": list(PARITY_PROMPTS), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_logprob": True, "logprob_start_len": 0}
-        worst = 0.0
         outs = self.procs.on_engines(lambda c: c.generate(body))
+        held = as_engine_holds(self.spec, read)
+        want = [reference_prompt_logprobs(self.spec, held, self.hf_dir, prompt) for prompt in PARITY_PROMPTS]
+        worst = 0.0
         for out in outs:
-            for o, prompt in zip(out, PARITY_PROMPTS, strict=True):
+            for o, w in zip(out, want, strict=True):
                 got = [row[0] for row in o["meta_info"]["input_token_logprobs"]]
-                want = reference_prompt_logprobs(self.spec, read, self.hf_dir, prompt)
-                worst = max(worst, max_abs_diff(got, want))
+                worst = max(worst, max_abs_diff(got, w))
         return worst
 
     def finish(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 from weightsync.layout.box import Box
 from weightsync.layout.parallel import RolloutParallel
 from weightsync.layout.sglang import engine_layout
+from weightsync.models.hf import global_tensors
 from weightsync.models.spec import ModelSpec
 
 ReadGlobal = Callable[[str], torch.Tensor]
@@ -37,7 +38,7 @@ def expected_checksums(spec: ModelSpec, rollout: RolloutParallel, rank: int, rea
         spec: the model.
         rollout: the engine's parallel layout.
         rank: rank inside the engine.
-        read: the trainer's global tensors.
+        read: the trainer's global tensors (fp8 weights in the trainer's dtype; no scale tensors).
 
     Returns:
         ``{param name: hex digest}`` for every parameter of the rank (derived ones included).
@@ -59,12 +60,44 @@ def expected_checksums(spec: ModelSpec, rollout: RolloutParallel, rank: int, rea
 
             return read_box
 
+        table = global_tensors(spec)
         for name in _stored_globals(store):
+            if table[name].quant_of is not None:
+                continue  # an fp8 scale: written with its weight, which write_global quantizes
             write_global(store, spec, name, reader(name))
         run_post_load(store, spec)
         return dict(WeightChecker(store).checksum()["checksums"])  # type: ignore[call-overload]
     finally:
         store.close()
+
+
+def as_engine_holds(spec: ModelSpec, read: ReadGlobal) -> ReadGlobal:
+    """The trainer's tensors as the engine computes with them: weights it stores in fp8 come back
+    block-quantized and dequantized, the others unchanged.
+
+    The reference forward of the logprob check reads these. A synthetic checkpoint is fp8-exact,
+    so before the first train step this changes nothing; after one, it is the difference between
+    an fp8 engine and a bf16 reference (and expert routing turns that into logprob differences
+    far above the tolerance). Dequantized to float32 (the engine's CPU compute dtype), except MLA
+    ``kv_b_proj``: the engine computes only with ``w_kc``/``w_vc`` derived from it, which it
+    stores in the model's dtype.
+    """
+    from weightsync.quant.fp8 import dequantize_block_fp8, quantize_block_fp8
+
+    block = spec.fp8_block
+    quantized = {g.quant_of for g in global_tensors(spec).values() if g.quant_of is not None}
+    if block is None or not quantized:
+        return read
+
+    def view(name: str) -> torch.Tensor:
+        t = read(name)
+        if name not in quantized:
+            return t
+        q, scale_inv = quantize_block_fp8(t, block)
+        dtype = getattr(torch, spec.dtype) if name.endswith(".kv_b_proj.weight") else torch.float32
+        return dequantize_block_fp8(q, scale_inv, block, dtype)
+
+    return view
 
 
 def _stored_globals(store: Any) -> list[str]:

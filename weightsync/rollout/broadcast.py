@@ -103,8 +103,12 @@ class BroadcastReceiver:
         t0 = time.perf_counter()
         nbytes = 0
         for name, dtype, shape in zip(names, dtypes, shapes):
-            buf = torch.empty(shape, dtype=_torch_dtype(dtype), device=device)
+            want = _torch_dtype(dtype)
+            # fp8 travels as its bytes: gloo (and older NCCL) have no float8 type
+            fp8 = want.is_floating_point and want.itemsize == 1
+            buf = torch.empty(shape, dtype=torch.uint8 if fp8 else want, device=device)
             pg.broadcast(buf, 0).wait()
+            buf = buf.view(want) if fp8 else buf
             nbytes += buf.numel() * buf.element_size()
             write_global(self.store, self.spec, name, lambda box, t=buf: t[tuple(slice(a, b) for a, b in box)])
         seconds = time.perf_counter() - t0

@@ -196,7 +196,10 @@ class BroadcastSender:
             tw = time.perf_counter()
             assert self.group is not None
             for _, t in tensors:
-                self.group.broadcast(t.contiguous(), 0).wait()
+                t = t.contiguous()
+                # fp8 travels as its bytes: gloo (and older NCCL) have no float8 type
+                wire = t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+                self.group.broadcast(wire, 0).wait()
                 sent += t.numel() * t.element_size()
             wire_s += time.perf_counter() - tw
         total = time.perf_counter() - t0

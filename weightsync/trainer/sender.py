@@ -196,7 +196,8 @@ class P2PSender:
         staged = [op for op in ops if op.transform is not None]
         self.bucket_bytes = bucket_bytes
         self._buckets = self._make_buckets(staged)
-        stage_cap = max((sum(s.nbytes for s in b) for b in self._buckets), default=0)
+        # a bucket ends where its last packed region ends (regions start 256-byte aligned)
+        stage_cap = max((b[-1].offset + b[-1].nbytes for b in self._buckets), default=0)
         self._staging = [torch.empty(stage_cap, dtype=torch.uint8, device=self._device()) for _ in range(2)]
         self._register_sources(direct, source_regions)
         self._peers: dict[int, Peer] = {r: transport.connect(d.descriptor) for r, d in dests.items()}
