@@ -11,10 +11,14 @@ For every registry model at tiny scale and a grid of Megatron parallel configura
 4. data: random global tensors sharded through the pieces equal an independent oracle of
    Megatron's layout (fused QKV per query group, ``[gate_shard; up_shard]``, padded vocab, expert
    ranges), and reassemble to the originals.
+
+The MLA families run the grid with both settings of ``mla_down_proj_replicated`` (the local
+spec's TP-split down projections, the TE spec's duplicated ones).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import pytest
@@ -22,6 +26,7 @@ import torch
 
 from weightsync.layout.box import Box, LocalTensor, box_contains, box_volume, full_box
 from weightsync.layout.megatron import (
+    MLA_DOWN_PROJ,
     TrainCoords,
     check_trainer_config,
     stage_layers,
@@ -34,6 +39,7 @@ from weightsync.models import get_model, list_models
 from weightsync.models.hf import global_tensors
 
 MODELS = list_models()
+MLA_MODELS = [m for m in MODELS if get_model(m, "tiny").is_mla]
 
 
 def _par(world: int, **kw: int) -> TrainParallel:
@@ -188,8 +194,10 @@ def _oracle(spec, par, rank, glob: dict[str, torch.Tensor], naming: str) -> dict
             for mg, hf in (("linear_q_proj", "q_proj"), ("linear_q_down_proj", "q_a_proj"),
                            ("linear_q_up_proj", "q_b_proj"), ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
                            ("linear_kv_up_proj", "kv_b_proj")):
-                if a + hf + ".weight" in glob:
-                    out[la + mg + ".weight"] = glob[a + hf + ".weight"].chunk(tp)[r]
+                if a + hf + ".weight" not in glob:
+                    continue
+                whole = par.mla_down_proj_replicated and mg + ".weight" in MLA_DOWN_PROJ
+                out[la + mg + ".weight"] = glob[a + hf + ".weight"] if whole else glob[a + hf + ".weight"].chunk(tp)[r]
             if spec.q_lora_rank is not None:
                 out[la + "q_layernorm.weight"] = glob[a + "q_a_layernorm.weight"]
             out[la + "kv_layernorm.weight"] = glob[a + "kv_a_layernorm.weight"]
@@ -263,6 +271,90 @@ def check_data_round_trip(spec, par, naming="sequential") -> None:
             assert torch.equal(local, oracle[t.name]), f"rank {r} {t.name}"
     for n, t in glob.items():
         assert torch.equal(recon[n], t), n
+
+
+# ---- MLA down projections duplicated over TP (the TE spec) ----
+
+
+def _replicated(par: TrainParallel) -> TrainParallel:
+    return dataclasses.replace(par, mla_down_proj_replicated=True)
+
+
+@pytest.mark.parametrize("model", MLA_MODELS)
+@pytest.mark.parametrize("par", CONFIGS)
+def test_mla_down_proj_replicated_contracts(model, par):
+    """Contracts 1-4 with the down projections whole on every TP rank."""
+    spec, par = get_model(model, "tiny"), _replicated(par)
+    check_replica_tiling(spec, par)
+    check_local_tiling(spec, par)
+    check_data_round_trip(spec, par)
+
+
+@pytest.mark.parametrize("model", MLA_MODELS)
+@pytest.mark.parametrize("replicated", [False, True])
+def test_mla_down_proj_pieces(model, replicated):
+    """TP 2: the down projections are row halves (local spec) or the whole tensor (TE spec) on each
+    TP rank; every other tensor is the same either way."""
+    spec = get_model(model, "tiny")
+    par = _par(2, tp=2, mla_down_proj_replicated=replicated)
+    plain = _par(2, tp=2)
+    gts = global_tensors(spec)
+    for r in range(2):
+        got = {t.name: t for t in trainer_layout(spec, par, r)}
+        base = {t.name: t for t in trainer_layout(spec, plain, r)}
+        assert list(got) == list(base)
+        for name, t in got.items():
+            if name.rsplit("self_attention.", 1)[-1] not in MLA_DOWN_PROJ:
+                assert t == base[name], name
+                continue
+            (piece,) = t.pieces
+            shape = gts[piece.global_name].shape
+            if replicated:
+                assert t.shape == shape, name
+                assert piece.global_box == full_box(shape), name
+            else:
+                half = shape[0] // 2
+                assert piece.global_box == ((r * half, (r + 1) * half), (0, shape[1])), name
+
+
+def test_mla_down_proj_replicated_lifts_the_row_constraint():
+    """Down projection rows that TP does not divide are fine when the projections are whole."""
+    spec = get_model("Kimi-K2", "tiny").replace(kv_lora_rank=30)
+    with pytest.raises(ValueError, match="mla_down_proj_replicated"):
+        check_trainer_config(spec, _par(4, tp=4))
+    check_trainer_config(spec, _par(4, tp=4, mla_down_proj_replicated=True))
+    kv = [t for t in trainer_layout(spec, _par(4, tp=4, mla_down_proj_replicated=True), 3)
+          if t.name.endswith("linear_kv_down_proj.weight")]
+    assert kv
+    assert all(t.shape == (30 + spec.qk_rope_head_dim, spec.hidden_size) for t in kv)
+
+
+def test_mla_down_proj_replicated_is_a_no_op_without_mla():
+    spec = get_model("Qwen3-30B-A3B", "tiny")
+    for r in range(4):
+        assert trainer_layout(spec, _par(4, tp=2, ep=2), r) == \
+            trainer_layout(spec, _par(4, tp=2, ep=2, mla_down_proj_replicated=True), r)
+
+
+def test_kimi_k2_reference_profile_keeps_fp8_blocks_whole():
+    """Kimi-K2's profile (TP 8): kv_a_proj_with_mqa (576 rows) split over TP 8 would be 72-row
+    shards that cut [64, 64] fp8 blocks; the profile's duplicated down projections hold it whole."""
+    from weightsync.models import get_profile
+
+    spec, par = get_model("Kimi-K2"), get_profile("Kimi-K2").train
+    assert par.mla_down_proj_replicated
+    assert par.tp == 8
+    block = spec.fp8_block
+    assert block is not None
+    for rank in (0, 7):
+        for t in trainer_layout(spec, par, rank):
+            for p in t.pieces:
+                if p.global_name.endswith(("kv_a_proj_with_mqa.weight", "q_a_proj.weight")):
+                    assert p.global_box == full_box(global_tensors(spec)[p.global_name].shape)
+    split = trainer_layout(spec, dataclasses.replace(par, mla_down_proj_replicated=False), 1)
+    (kv,) = [t for t in split if t.name == "decoder.layers.0.self_attention.linear_kv_down_proj.weight"]
+    assert kv.pieces[0].global_box[0] == (72, 144)
+    assert 72 % block[0]
 
 
 # ---- rank coordinates, stages, names, errors ----

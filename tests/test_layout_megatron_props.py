@@ -70,7 +70,8 @@ def parallels(draw, num_layers: int):
     if num_layers % pp == 0:
         valid.append(None)
     last = draw(st.sampled_from(valid) if valid and draw(st.integers(0, 4)) else st.integers(1, num_layers))
-    return TrainParallel(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, pp_last_stage_layers=last)
+    return TrainParallel(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, pp_last_stage_layers=last,
+                         mla_down_proj_replicated=draw(st.booleans()))
 
 
 @st.composite

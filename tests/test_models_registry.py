@@ -312,3 +312,16 @@ def test_cli_list_table_and_no_torch() -> None:
     lines = out.splitlines()
     assert len(lines) == 1 + len(ALL)
     assert lines[1].startswith("Qwen3-4B")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_mla_profiles_duplicate_the_down_projections(name: str) -> None:
+    """The reference trains with Megatron's TE spec, which keeps the MLA down projections whole on
+    every TP rank; so do the MLA profiles and the embedded default of their families."""
+    from weightsync.models.fit import embedded_layout
+
+    mla = get_model(name).is_mla
+    assert get_profile(name).train.mla_down_proj_replicated == mla
+    train, _ = embedded_layout(name)
+    assert train.mla_down_proj_replicated == mla
+    assert train.tp == 2

@@ -75,6 +75,29 @@ def test_impossible_configurations_are_refused(capsys, argv, message):
     assert message in err
 
 
+KIMI_TINY = ["Kimi-K2", "--scale", "tiny", "--rollout", "tp=2,ep=2,dp=2,engines=1", "--verify", "--json"]
+
+
+def test_mla_rep_key_keeps_fp8_blocks_whole(capsys):
+    """``--train mla_rep=0|1``: Kimi-K2 tiny at train TP 2 cuts fp8 blocks with the local spec's
+    split down projections and verifies with the TE spec's duplicated ones (the profile's)."""
+    rc, out, err = _run(capsys, *KIMI_TINY, "--train", "tp=2,ep=2,pp=1,cp=1,world=2,mla_rep=0")
+    assert rc != 0
+    assert "kv_a_proj_with_mqa" in err
+    rc, out, err = _run(capsys, *KIMI_TINY, "--train", "tp=2,ep=2,pp=1,cp=1,world=2,mla_rep=1")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["train"]["mla_down_proj_replicated"] is True
+    assert report["verified"] is True
+    assert report["bytes_total"] == report["dest_bytes"]
+    rc, out, err = _run(capsys, *KIMI_TINY, "--train", "tp=2,ep=2,pp=1,cp=1,world=2")  # the profile's setting
+    assert rc == 0, err
+    assert json.loads(out)["train"]["mla_down_proj_replicated"] is True
+    rc, _, err = _run(capsys, *KIMI_TINY, "--train", "mla_rep=2")
+    assert rc == 2
+    assert "mla_rep must be 0 or 1" in err
+
+
 FULL = [m for m in list_models() if m != "Kimi-K2"]
 
 
@@ -100,15 +123,13 @@ def test_kimi_k2_broadcast_verifies_at_full_size(capsys):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(
-    reason="the Megatron layout follows the local spec, which splits MLA linear_kv_down_proj (576 rows) over TP 8 "
-    "into 72-row shards that cut Kimi-K2's [64, 64] fp8 blocks; the reference system's TE spec replicates it",
-    strict=False,
-)
 def test_kimi_k2_p2p_verifies_at_full_size(capsys):
+    """The profile keeps the MLA down projections whole on every TP rank (the reference's TE spec),
+    so TP 8 cuts no [64, 64] fp8 block of kv_a_proj_with_mqa (576 rows)."""
     rc, out, err = _run(capsys, "Kimi-K2", "--mode", "p2p", "--verify", "--json")
     assert rc == 0, err
     report = json.loads(out)
+    assert report["train"]["mla_down_proj_replicated"] is True
     assert report["verified"] is True
     assert report["bytes_total"] == report["dest_bytes"]
     assert report["senders"] == 256

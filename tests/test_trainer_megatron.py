@@ -166,3 +166,17 @@ def test_gpu_trainer_check_script_passes_on_cpu(repo_root, tmp_path):
     assert {("logits", m) for m in MODELS} <= kinds
     assert {("train", "Qwen3-4B"), ("train", "Qwen3-30B-A3B")} <= kinds
     assert proc.returncode == 0
+
+
+def test_duplicated_mla_down_projections_are_refused_not_mismatched():
+    """The local spec builds MLA down projections TP-split: a model with them duplicated (the TE
+    spec) is refused with the reason, before any parallel state is needed."""
+    import dataclasses
+
+    from weightsync.models import get_model
+    from weightsync.trainer.megatron_model import build_gpt_model
+
+    spec = get_model("Kimi-K2", "tiny")
+    par = dataclasses.replace(_par(spec), mla_down_proj_replicated=True)
+    with pytest.raises(ValueError, match=r"mla_down_proj_replicated.*local spec"):
+        build_gpt_model(spec, par, 0)

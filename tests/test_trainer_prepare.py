@@ -60,15 +60,46 @@ def test_output_names(scale, name):
     ("tp=2,pp=2,dp=2", TrainParallel(world_size=8, tp=2, pp=2)),
     ("tp=4,ep=2,etp=2,world=8,last=1,pp=2", TrainParallel(world_size=8, tp=4, ep=2, etp=2, pp=2,
                                                           pp_last_stage_layers=1)),
-], ids=["tp", "tp-ep-lcm", "dp", "all"])
+    ("tp=2,mla_rep=1", TrainParallel(world_size=2, tp=2, mla_down_proj_replicated=True)),
+], ids=["tp", "tp-ep-lcm", "dp", "all", "mla-rep"])
 def test_parse_train(text, want):
     assert prep.parse_train(text) == want
 
 
-@pytest.mark.parametrize("text", ["tp=x", "zz=2", "tp2"])
+def test_parse_train_mla_rep_default_and_override():
+    assert prep.parse_train("tp=2", mla_down_proj_replicated=True).mla_down_proj_replicated
+    assert not prep.parse_train("tp=2,mla_rep=0", mla_down_proj_replicated=True).mla_down_proj_replicated
+
+
+@pytest.mark.parametrize("text", ["tp=x", "zz=2", "tp2", "mla_rep=2"])
 def test_parse_train_refuses(text):
     with pytest.raises(ValueError, match="bad --train item"):
         prep.parse_train(text)
+
+
+def test_mla_embedded_default_shards_keep_down_projections_whole(tmp_path):
+    """Kimi-K2's embedded default (train TP 2, duplicated MLA down projections): prepare writes its
+    shards, and each rank reads the whole down projections back."""
+    from weightsync.models.fit import embedded_layout
+    from weightsync.trainer.torch_dist import read_rank_tensors
+
+    train, _ = embedded_layout("Kimi-K2")
+    assert train.tp == 2
+    assert train.mla_down_proj_replicated
+    cfg = prep.PrepareConfig(model="Kimi-K2", scale="tiny", ckpt_dir=tmp_path, progress=False, train=train)
+    result = prep.prepare(cfg, say=lambda s: None)
+    assert result.train == train
+    assert result.actions["torch_dist"] == "written"
+    spec = get_model("Kimi-K2", "tiny")
+    hf, _ = read_hf_checkpoint(result.paths.hf)
+    for rank in range(train.world_size):
+        got = read_rank_tensors(result.paths.torch_dist, spec, train, rank)
+        kv = got["decoder.layers.0.self_attention.linear_kv_down_proj.weight"]
+        assert torch.equal(kv, hf["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"])
+    # the other setting is another request: the shards are redone
+    split = prep.prepare(prep.PrepareConfig(model="Kimi-K2", scale="tiny", ckpt_dir=tmp_path, progress=False,
+                                            train=TrainParallel(world_size=2, tp=2, ep=2)), say=lambda s: None)
+    assert split.actions["torch_dist"] == "written"
 
 
 def test_synthetic_prepare_then_skip(tmp_path):

@@ -63,6 +63,10 @@ CASES = [
     pytest.param("Qwen3-4B", TrainParallel(world_size=8, tp=2, pp=2, cp=2), id="qwen3-tp2-pp2-dp2"),
     pytest.param("GLM-4.5-Air", TrainParallel(world_size=4, tp=2, ep=2), id="glm45-tp2-ep2-dp2"),
     pytest.param("Kimi-K2", TrainParallel(world_size=8, tp=2, pp=2, ep=2, etp=2), id="kimi-tp2-pp2-ep2-etp2"),
+    pytest.param("Kimi-K2", TrainParallel(world_size=4, tp=2, ep=2, mla_down_proj_replicated=True),
+                 id="kimi-tp2-ep2-dp2-mla-down-dup"),
+    pytest.param("GLM-5", TrainParallel(world_size=2, tp=2, ep=2, mla_down_proj_replicated=True),
+                 id="glm5-tp2-ep2-mla-down-dup"),
 ]
 
 
@@ -123,6 +127,26 @@ def test_reference_from_hf_dir_and_trainer_from_torch_dist(tmp_path):
     gathered = _gather(trainers)
     for name in gathered:
         assert torch.equal(gathered[name], read(name)), name
+
+
+def test_mla_down_proj_replicated_from_torch_dist(tmp_path):
+    """Duplicated MLA down projections: every TP rank holds (and changes) the whole tensor, and
+    the shards still equal the reference copy."""
+    spec = get_model("Kimi-K2", "tiny")
+    hf = synthetic_hf_tensors(spec, seed=0)
+    write_hf_checkpoint(tmp_path / "hf", hf, hf_config_dict(spec))
+    par = TrainParallel(world_size=2, tp=2, ep=2, mla_down_proj_replicated=True)
+    write_torch_dist(tmp_path / "td", spec, par, _reader(hf))
+    trainers = [SyntheticTrainer.from_torch_dist(tmp_path / "td", spec, par, r, seed=SEED) for r in range(2)]
+    for t in trainers:
+        t.step()
+    name = "decoder.layers.0.self_attention.linear_kv_down_proj.weight"
+    assert torch.equal(trainers[0].params[name], trainers[1].params[name])
+    read = reference_global_tensors(tmp_path / "hf", spec, step=1, seed=SEED)
+    assert torch.equal(trainers[1].params[name], read("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"))
+    gathered = _gather(trainers)
+    for g in gathered:
+        assert torch.equal(gathered[g], read(g)), g
 
 
 def test_pseudo_gradient_is_a_function_of_global_coordinates():

@@ -11,10 +11,14 @@ Contracts:
 * The stored chunks of every key tile its global shape exactly once (what DCP and Megatron's
   loader require); replicas are stored once.
 * The directory is a released Megatron checkpoint: tracker, ``metadata.json``, ``common.pt``.
+* MLA down projections duplicated over TP (``mla_down_proj_replicated``, the TE spec) are one
+  chunk of the whole tensor, stored once; the stored tensors are the same as with the TP-split
+  ones, so either setting reads a checkpoint written with the other.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -25,7 +29,7 @@ from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.parallel import TrainParallel
 from weightsync.models import get_model, list_models
 from weightsync.models.checkpoint import synthetic_hf_tensors
-from weightsync.trainer.dist_layout import dist_chunks
+from weightsync.trainer.dist_layout import dist_chunks, extra_state_objects, tp_split
 from weightsync.trainer.torch_dist import (
     BACKEND,
     assemble_box,
@@ -115,6 +119,58 @@ def test_chunks_tile_every_key_once(model):
     for key, count in painted.items():
         assert int(count.min()) == 1, f"{key}: a region no chunk covers"
         assert int(count.max()) == 1, f"{key}: overlapping chunks"
+
+
+MLA_MODELS = ["Kimi-K2", "GLM-4.7-Flash", "GLM-5"]
+
+
+@pytest.mark.parametrize(("write_rep", "read_rep"), [(True, True), (True, False), (False, True)],
+                         ids=["dup-dup", "dup-split", "split-dup"])
+@pytest.mark.parametrize("model", MLA_MODELS)
+def test_mla_down_proj_replicated_round_trip(model, write_rep, read_rep, tensors, tmp_path):
+    """Written with one setting, read with either: each rank gets what its layout assembles."""
+    spec = get_model(model, "tiny")
+    par = TrainParallel(world_size=4, tp=2, ep=2, mla_down_proj_replicated=write_rep)
+    hf = tensors[model]
+    write_torch_dist(tmp_path, spec, par, _reader(hf))
+    reader = dataclasses.replace(par, mla_down_proj_replicated=read_rep)
+    for rank in range(reader.world_size):
+        got = read_rank_tensors(tmp_path, spec, reader, rank)
+        for lt in trainer_layout(spec, reader, rank):
+            assert torch.equal(got[lt.name], assemble_box(lt, full_box(lt.shape), _reader(hf))), (rank, lt.name)
+    back = read_global_tensors(tmp_path, spec, reader)
+    for name, t in back.items():
+        assert torch.equal(t, hf[name]), name
+
+
+@pytest.mark.parametrize("model", MLA_MODELS)
+def test_mla_down_proj_replicated_is_one_chunk_stored_once(model, tensors, tmp_path):
+    """Every TP (and DP) rank holds the same whole chunk (Megatron's replicas of a duplicated
+    TELinear); the checkpoint stores it once, as one chunk per layer."""
+    import torch.distributed.checkpoint as dcp
+
+    spec = get_model(model, "tiny")
+    par = TrainParallel(world_size=4, tp=2, ep=2, mla_down_proj_replicated=True)
+    down = [f"self_attention.{n}" for n in ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")]
+    per_rank = [{(c.key, c.global_offset, c.chunk_shape) for c in dist_chunks(spec, par, r)
+                 if c.local_name.endswith(tuple(down))} for r in range(par.world_size)]
+    assert per_rank[0]
+    assert all(chunks == per_rank[0] for chunks in per_rank)
+    for r in range(par.world_size):
+        for lt in trainer_layout(spec, par, r):
+            if lt.name.endswith(tuple(down)):
+                assert not tp_split(spec, lt.name, mla_down_proj_replicated=True).tensor_model_parallel
+                assert tp_split(spec, lt.name).partition_dim == 0
+    split = dataclasses.replace(par, mla_down_proj_replicated=False)
+    assert extra_state_objects(spec, par, 1) == extra_state_objects(spec, split, 1)  # still linear modules
+    write_torch_dist(tmp_path, spec, par, _reader(tensors[model]))
+    md = dcp.FileSystemReader(release_dir(tmp_path)).read_metadata().state_dict_metadata
+    keys = {key for key, _, _ in per_rank[0]}
+    for key in keys:
+        layers = len({off for k, off, _ in per_rank[0] if k == key})
+        chunks = md[key].chunks
+        assert len(chunks) == layers, key
+        assert all(tuple(ch.sizes)[-2:] == tuple(md[key].size)[-2:] for ch in chunks), key
 
 
 def test_release_directory_layout(tensors, tmp_path):

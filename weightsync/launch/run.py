@@ -31,7 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-rollout", type=int, default=3, help="training steps, each followed by an update")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when the profile fits")
     p.add_argument("--scale", default=None, help="full | layers=N | tiny (default: the profile's or tiny)")
-    p.add_argument("--train", default=None, help="tp=..,pp=..,cp=..,ep=..,etp=..,world=.. (default: profile)")
+    p.add_argument("--train", default=None,
+                   help="tp=..,pp=..,cp=..,ep=..,etp=..,world=..,last=..,mla_rep=0|1 (default: profile). mla_rep=1: "
+                        "MLA down projections whole on every TP rank, as Megatron's TE spec; 0: split over TP, as "
+                        "its local spec (default: the profile's)")
     p.add_argument("--rollout", default=None, help="tp=..,ep=..,dp=..,engines=.. (default: profile)")
     p.add_argument("--transport", default="auto", help="p2p transport: auto | shm | mooncake | cuda_ipc")
     p.add_argument("--prompts-per-step", type=int, default=4)
@@ -55,11 +58,15 @@ def parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, int]:
     return out
 
 
-def train_from_args(text: str) -> TrainParallel:
-    kv = parse_kv(text, ("tp", "pp", "cp", "ep", "etp", "world", "last"), "train")
+def train_from_args(text: str, *, mla_down_proj_replicated: bool = False) -> TrainParallel:
+    """``--train``; ``mla_rep`` (0 or 1) sets ``mla_down_proj_replicated``, else the keyword's value."""
+    kv = parse_kv(text, ("tp", "pp", "cp", "ep", "etp", "world", "last", "mla_rep"), "train")
     world = kv.pop("world", kv.get("tp", 1) * kv.get("pp", 1) * kv.get("cp", 1))
     last = kv.pop("last", None)
-    return TrainParallel(world_size=world, pp_last_stage_layers=last, **kv)
+    rep = kv.pop("mla_rep", int(mla_down_proj_replicated))
+    if rep not in (0, 1):
+        raise ValueError(f"--train: mla_rep must be 0 or 1, got {rep}")
+    return TrainParallel(world_size=world, pp_last_stage_layers=last, mla_down_proj_replicated=bool(rep), **kv)
 
 
 def rollout_from_args(text: str) -> RolloutParallel:
@@ -85,7 +92,8 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
     if explicit:
         device = args.device or ("cuda" if have else "cpu")
         scale = args.scale or ("full" if device == "cuda" else "tiny")
-        train = train_from_args(args.train) if args.train else profile.train
+        train = train_from_args(args.train, mla_down_proj_replicated=profile.train.mla_down_proj_replicated) \
+            if args.train else profile.train
         rollout = rollout_from_args(args.rollout) if args.rollout else profile.rollout
     else:
         fit = fit_profile(args.model, have)

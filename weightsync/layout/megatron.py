@@ -2,8 +2,10 @@
 
 Target: ``GPTModel`` of megatron-core 0.16 built with the *local* layer spec
 (``get_gpt_layer_local_spec`` / ``LocalSpecProvider``: no Transformer Engine), which is what
-weightsync builds on CPU. Names are exactly those of ``GPTModel.named_parameters()`` on the
-rank (plus the router's ``expert_bias`` buffer), in the same order:
+weightsync builds on CPU; ``TrainParallel.mla_down_proj_replicated`` switches the one
+difference of the Transformer Engine spec that moves MLA weights (below). Names are exactly
+those of ``GPTModel.named_parameters()`` on the rank (plus the router's ``expert_bias`` buffer),
+in the same order:
 
 * ``embedding.word_embeddings.weight`` on the first PP stage; ``decoder.final_layernorm.weight``
   and ``output_layer.weight`` on the last. Tied embeddings: with ``pp == 1`` there is no
@@ -17,8 +19,13 @@ rank (plus the router's ``expert_bias`` buffer), in the same order:
   ``self_attention.q_layernorm`` / ``k_layernorm`` / MLA ``kv_layernorm``). The TE spec fuses
   them into ``linear_qkv.layer_norm_weight`` etc.; that layout is not modelled here.
 * MLA with the local spec: ``linear_q_down_proj`` and ``linear_kv_down_proj`` are
-  ``ColumnParallelLinear`` (TP-split rows, gathered in the forward); the TE spec replicates
-  them (``TELinear`` ``parallel_mode="duplicated"``).
+  ``ColumnParallelLinear`` (TP-split rows, gathered in the forward). The TE spec
+  (``get_gpt_layer_with_transformer_engine_spec``: ``backend.linear()`` = ``TELinear``, which
+  ``MLASelfAttention.__init__`` builds with ``parallel_mode="duplicated"`` and no TP group)
+  holds them whole on every TP rank: with ``par.mla_down_proj_replicated`` each is one piece
+  covering the whole HF tensor (``q_a_proj`` / ``kv_a_proj_with_mqa``), as for a norm.
+  Only this sharding is switched; names stay the local spec's (the TE spec also fuses
+  ``q_layernorm`` / ``kv_layernorm`` into the up projections' ``layer_norm_weight``).
 * GLM-5's DSA indexer: megatron-core 0.16 has it only behind a TE backend (its spec uses
   ``backend.linear()``, which ``LocalSpecProvider`` lacks). Its parameters are named as in
   that module tree, ``self_attention.core_attention.indexer.{linear_wq_b,linear_wk,k_norm,
@@ -49,10 +56,13 @@ from weightsync.layout.parallel import TrainParallel
 from weightsync.models.hf import attention_tensors, mlp_tensors
 from weightsync.models.spec import ModelSpec
 
-__all__ = ["EXPERT_NAMINGS", "TrainCoords", "check_trainer_config", "stage_layers", "train_coords",
+__all__ = ["EXPERT_NAMINGS", "MLA_DOWN_PROJ", "TrainCoords", "check_trainer_config", "stage_layers", "train_coords",
            "trainer_layout"]
 
 EXPERT_NAMINGS = ("sequential", "grouped")
+MLA_DOWN_PROJ = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
+"""MLA parameters (names within ``self_attention.``) that ``TrainParallel.mla_down_proj_replicated``
+keeps whole on every TP rank."""
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 """Megatron's default ``--make-vocab-size-divisible-by``."""
 
@@ -93,7 +103,7 @@ def trainer_layout(spec: ModelSpec, par: TrainParallel, rank: int, *, expert_nam
     if first:
         out.append(_embedding(spec, par.tp, c.tp, vocab_divisible_by))
     for local, layer in enumerate(stage):
-        head, tail = _layer_dense(spec, layer, local, par.tp, c.tp)
+        head, tail = _layer_dense(spec, layer, local, par.tp, c.tp, par.mla_down_proj_replicated)
         out += head
         if spec.is_moe_layer(layer):
             out += _layer_experts(spec, layer, local, par.ep, par.etp, c.ep, c.etp, expert_naming)
@@ -122,12 +132,13 @@ def _check(spec: ModelSpec, par: TrainParallel, expert_naming: str) -> None:
     stage_layers(spec, par)
     tp, name = par.tp, spec.name
     _divides(spec.num_attention_heads, tp, f"{name}: num_attention_heads", "tp")
-    if spec.is_mla:
+    if spec.is_mla and not par.mla_down_proj_replicated:  # the local spec's ColumnParallelLinear
+        hint = " (or keep the MLA down projections whole: mla_down_proj_replicated, as the TE spec does)"
         if spec.q_lora_rank is not None:
-            _divides(spec.q_lora_rank, tp, f"{name}: q_lora_rank (linear_q_down_proj rows)", "tp")
+            _divides(spec.q_lora_rank, tp, f"{name}: q_lora_rank (linear_q_down_proj rows)", "tp", hint)
         _divides(spec.kv_lora_rank + spec.qk_rope_head_dim, tp,
-                 f"{name}: kv_lora_rank + qk_rope_head_dim (linear_kv_down_proj rows)", "tp")
-    else:
+                 f"{name}: kv_lora_rank + qk_rope_head_dim (linear_kv_down_proj rows)", "tp", hint)
+    if not spec.is_mla:
         ng = spec.num_kv_heads
         if ng % tp and tp % ng:
             raise ValueError(f"{name}: num_kv_heads (query groups)={ng} must be a multiple or a divisor of tp={tp}")
@@ -141,9 +152,9 @@ def _check(spec: ModelSpec, par: TrainParallel, expert_naming: str) -> None:
                  f"{name}: shared expert size (num_shared_experts * moe_intermediate_size)", "tp")
 
 
-def _divides(value: int, size: int, what: str, axis: str) -> None:
+def _divides(value: int, size: int, what: str, axis: str, hint: str = "") -> None:
     if value % size:
-        raise ValueError(f"{what}={value} is not divisible by {axis}={size}")
+        raise ValueError(f"{what}={value} is not divisible by {axis}={size}{hint}")
 
 
 def _tensor(name: str, part: Part, dtype: str) -> LocalTensor:
@@ -184,17 +195,21 @@ def _output_layer(spec: ModelSpec, tp: int, tp_rank: int, divisible_by: int, *, 
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_dense(spec: ModelSpec, layer: int, local: int, tp: int, tp_rank: int) -> tuple[
+def _layer_dense(spec: ModelSpec, layer: int, local: int, tp: int, tp_rank: int, down_replicated: bool) -> tuple[
     tuple[LocalTensor, ...], tuple[LocalTensor, ...]
 ]:
-    """The TP-sharded and replicated tensors of one layer: (before the experts, after them)."""
+    """The TP-sharded and replicated tensors of one layer: (before the experts, after them).
+
+    ``down_replicated``: MLA down projections whole on every TP rank (the TE spec).
+    """
     shapes = _layer_shapes(spec, layer)
     g, l_ = f"model.layers.{layer}.", f"decoder.layers.{local}."
     dt = spec.dtype
     pre, post = g + "input_layernorm.weight", g + "post_attention_layernorm.weight"
     head = [_tensor(l_ + "input_layernorm.weight", mp.whole(pre, shapes[pre]), dt)]
-    attn = _mla_attention if spec.is_mla else _gqa_attention
-    for n, part in attn(spec, shapes, g + "self_attn.", tp, tp_rank):
+    attn = _mla_attention(spec, shapes, g + "self_attn.", tp, tp_rank, down_replicated) if spec.is_mla else \
+        _gqa_attention(spec, shapes, g + "self_attn.", tp, tp_rank)
+    for n, part in attn:
         head.append(_tensor(l_ + "self_attention." + n, part, dt))
     head.append(_tensor(l_ + "pre_mlp_layernorm.weight", mp.whole(post, shapes[post]), dt))
     m, lm = g + "mlp.", l_ + "mlp."
@@ -244,11 +259,11 @@ def _gqa_attention(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], a: str, 
     return out
 
 
-def _mla_attention(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], a: str, tp: int, r: int) -> list[
-    tuple[str, Part]
-]:
-    """``MLASelfAttention`` with the local spec (module order: core_attention (the DSA indexer),
-    linear_proj, q projections, kv projections, q_layernorm, kv_layernorm)."""
+def _mla_attention(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], a: str, tp: int, r: int,
+                   down_replicated: bool) -> list[tuple[str, Part]]:
+    """``MLASelfAttention`` (module order: core_attention (the DSA indexer), linear_proj, q
+    projections, kv projections, q_layernorm, kv_layernorm). The down projections are split by
+    rows over TP (local spec) or, with ``down_replicated``, whole on every rank (TE spec)."""
     out: list[tuple[str, Part]] = []
     if spec.has_indexer:
         ix, lx = a + "indexer.", "core_attention.indexer."
@@ -261,7 +276,11 @@ def _mla_attention(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], a: str, 
         ("linear_q_down_proj.weight", "q_a_proj.weight"), ("linear_q_up_proj.weight", "q_b_proj.weight")]
     rows += [("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
              ("linear_kv_up_proj.weight", "kv_b_proj.weight")]
-    out += [(local, mp.split_rows(a + glob, shapes[a + glob], r, tp)) for local, glob in rows]
+    for local, glob in rows:
+        if down_replicated and local in MLA_DOWN_PROJ:
+            out.append((local, mp.whole(a + glob, shapes[a + glob])))
+        else:
+            out.append((local, mp.split_rows(a + glob, shapes[a + glob], r, tp)))
     if spec.q_lora_rank is not None:
         out.append(("q_layernorm.weight", mp.whole(a + "q_a_layernorm.weight", shapes[a + "q_a_layernorm.weight"])))
     out.append(("kv_layernorm.weight", mp.whole(a + "kv_a_layernorm.weight", shapes[a + "kv_a_layernorm.weight"])))

@@ -26,6 +26,12 @@ class TrainParallel:
     """Layers on the last PP stage when the split is uneven (Megatron
     ``--decoder-last-pipeline-num-layers``); the other stages share the rest evenly."""
     sequence_parallel: bool = True
+    mla_down_proj_replicated: bool = False
+    """MLA ``linear_q_down_proj`` / ``linear_kv_down_proj`` whole on every TP rank (True), as
+    megatron-core's Transformer Engine spec builds them (``TELinear(parallel_mode="duplicated")``,
+    checkpointed as one replicated tensor), or split by rows over TP (False), as its local spec
+    builds them (``ColumnParallelLinear``). The reference system trains with the TE spec. No
+    effect on models without MLA."""
 
     def __post_init__(self) -> None:
         for k in ("world_size", "tp", "pp", "cp", "ep", "etp"):

@@ -7,6 +7,11 @@ them (miles passes them as ``--sglang-<flag>``; ``--tp-size`` is miles'
 ``--rollout-num-gpus-per-engine``). Where run.py enables DP-attention without ``--dp-size``,
 sglang's default dp size 1 applies (attention-TP = TP), which is what ``RolloutParallel.dp = 1``
 records.
+
+The reference system trains with Megatron-LM's default ``--transformer-impl transformer_engine``
+(the TE layer spec), so the MLA profiles (Kimi-K2, GLM-4.7-Flash, the GLM-5 family) keep the MLA
+down projections whole on every TP rank (``TrainParallel.mla_down_proj_replicated``): Kimi-K2's
+576-row ``kv_a_proj_with_mqa`` split over TP 8 would cut its [64, 64] fp8 blocks.
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ def _nsa_args(gpus_per_engine: int) -> tuple[str, ...]:
 def _profile(model: str, *, nodes: int, train_gpus: int, rollout_gpus: int, tp: int, pp: int = 1, cp: int = 1,
              ep: int = 1, last: int | None = None, engine_gpus: int, mem: float, sgl_ep: int | None = None,
              sgl_dp: int | None = None, moe_dense_tp: int | None = None, dp_attention: bool = False,
-             dp_lm_head: bool = False, extra: tuple[str, ...] = ()) -> RunProfile:
+             dp_lm_head: bool = False, mla: bool = False, extra: tuple[str, ...] = ()) -> RunProfile:
     train = TrainParallel(world_size=train_gpus, tp=tp, pp=pp, cp=cp, ep=ep, etp=1, pp_last_stage_layers=last,
-                          sequence_parallel=True)
+                          sequence_parallel=True, mla_down_proj_replicated=mla)
     if rollout_gpus % engine_gpus:
         raise ValueError(f"{model}: {rollout_gpus} rollout GPUs is not a multiple of {engine_gpus} GPUs per engine")
     rollout = RolloutParallel(tp=engine_gpus, dp=sgl_dp or 1, ep=sgl_ep or 1,
@@ -80,15 +85,15 @@ def _profile(model: str, *, nodes: int, train_gpus: int, rollout_gpus: int, tp: 
 def _glm5_profile(model: str, *, nodes: int, gpus: int, pp: int, cp: int, ep: int, last: int | None,
                   engine_gpus: int, mem: float) -> RunProfile:
     return _profile(model, nodes=nodes, train_gpus=gpus, rollout_gpus=gpus, tp=4, pp=pp, cp=cp, ep=ep, last=last,
-                    engine_gpus=engine_gpus, mem=mem, sgl_ep=engine_gpus, sgl_dp=engine_gpus, moe_dense_tp=1, dp_attention=True, dp_lm_head=True,
-                    extra=_nsa_args(engine_gpus))
+                    engine_gpus=engine_gpus, mem=mem, sgl_ep=engine_gpus, sgl_dp=engine_gpus, moe_dense_tp=1,
+                    dp_attention=True, dp_lm_head=True, mla=True, extra=_nsa_args(engine_gpus))
 
 
 PROFILES: dict[str, RunProfile] = {
     "Qwen3-4B": _profile("Qwen3-4B", nodes=1, train_gpus=4, rollout_gpus=4, tp=2, cp=2, engine_gpus=2, mem=0.8),
     "GLM-4.7-Flash": _profile(
         "GLM-4.7-Flash", nodes=2, train_gpus=8, rollout_gpus=8, tp=4, ep=8, engine_gpus=4, mem=0.7, sgl_ep=4,
-        dp_attention=True, dp_lm_head=True, extra=_CUDA_GRAPH_BS,
+        dp_attention=True, dp_lm_head=True, mla=True, extra=_CUDA_GRAPH_BS,
     ),
     "GLM-5_4layer": _glm5_profile("GLM-5_4layer", nodes=2, gpus=8, pp=1, cp=1, ep=8, last=None, engine_gpus=8, mem=0.7),
     "GLM-5_20layer": _glm5_profile("GLM-5_20layer", nodes=12, gpus=48, pp=3, cp=1, ep=16, last=6, engine_gpus=16,
@@ -108,7 +113,7 @@ PROFILES: dict[str, RunProfile] = {
     ),
     "Kimi-K2": _profile(
         "Kimi-K2", nodes=64, train_gpus=256, rollout_gpus=256, tp=8, pp=8, cp=4, ep=32, last=5, engine_gpus=32,
-        mem=0.7, sgl_ep=32, sgl_dp=8, moe_dense_tp=1, dp_attention=True, dp_lm_head=True,
+        mem=0.7, sgl_ep=32, sgl_dp=8, moe_dense_tp=1, dp_attention=True, dp_lm_head=True, mla=True,
         extra=(*_CUDA_GRAPH_BS, "--moe-runner-backend", "triton", "--fp8-gemm-backend", "triton"),
     ),
 }

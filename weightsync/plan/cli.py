@@ -23,7 +23,9 @@ from weightsync.layout.parallel import RolloutParallel, TrainParallel
 from weightsync.plan.records import MODES
 
 TRAIN_KEYS = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "etp": "etp", "world": "world_size",
-              "last": "pp_last_stage_layers"}
+              "last": "pp_last_stage_layers", "mla_rep": "mla_down_proj_replicated"}
+TRAIN_FLAGS = ("mla_down_proj_replicated",)
+"""Boolean trainer fields: given as 0 or 1."""
 ROLLOUT_KEYS = {"tp": "tp", "ep": "ep", "dp": "dp", "engines": "num_engines"}
 
 
@@ -32,7 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="p2p", help="transfer mode (default p2p)")
     parser.add_argument("--scale", default="full", help="full | tiny | layers=N (default full)")
     parser.add_argument("--train", default="", metavar="K=V,...",
-                        help="trainer sizes overriding the profile: tp, pp, cp, ep, etp, world, last")
+                        help="trainer sizes overriding the profile: tp, pp, cp, ep, etp, world, last (last PP "
+                             "stage's layers), mla_rep (1: MLA down projections whole on every TP rank, as "
+                             "Megatron's TE spec, the profiles' setting for MLA models; 0: split over TP, as its "
+                             "local spec)")
     parser.add_argument("--rollout", default="", metavar="K=V,...",
                         help="rollout sizes overriding the profile: tp, ep, dp, engines")
     parser.add_argument("--verify", action="store_true", help="run the plan verifier")
@@ -66,8 +71,14 @@ def resolve_parallel(model: str, train_text: str, rollout_text: str) -> tuple[Tr
     from weightsync.models import get_profile
 
     profile = get_profile(model)
-    t = parse_sizes(train_text, TRAIN_KEYS, "train")
+    t: dict[str, int | bool | None] = dict(parse_sizes(train_text, TRAIN_KEYS, "train"))
     r = parse_sizes(rollout_text, ROLLOUT_KEYS, "rollout")
+    for flag in TRAIN_FLAGS:
+        if flag in t:
+            if t[flag] not in (0, 1):
+                key = next(k for k, v in TRAIN_KEYS.items() if v == flag)
+                raise ValueError(f"--train: {key} must be 0 or 1, got {t[flag]}")
+            t[flag] = bool(t[flag])
     if "pp" in t and "pp_last_stage_layers" not in t:
         t["pp_last_stage_layers"] = None  # the profile's uneven split belongs to its pp
     train = dataclasses.replace(profile.train, **t)

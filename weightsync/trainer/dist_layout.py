@@ -22,7 +22,11 @@ parallel configuration. The rules, from megatron-core 0.16.1 with the local laye
   *expert axis* (size ``num_experts``, offset the global expert) after the layer axis.
 * **Tensor parallelism.** Column-parallel weights are split on dim 0, row-parallel ones on
   dim 1, over TP (dense) or ETP (experts); the global tensor is the concatenation of the TP
-  shards. A gated ``linear_fc1`` (``[gate_shard; up_shard]`` on each rank) is stored as *two*
+  shards. With ``TrainParallel.mla_down_proj_replicated`` the MLA down projections are the TE
+  spec's duplicated ``TELinear``: one chunk of the whole tensor, the same on every TP (and DP)
+  rank, stored once (Megatron's ``replica_id`` ``(0, tp_rank, dp_rank)``: only the main
+  replica writes). The stored tensor is the same either way, so a checkpoint written with one
+  setting reads back with the other. A gated ``linear_fc1`` (``[gate_shard; up_shard]`` on each rank) is stored as *two*
   chunks, ``gate_shard`` at ``tp_rank`` and ``up_shard`` at ``tp + tp_rank`` (in units of the
   shard), so the stored tensor is ``[gate; up]`` whatever the TP size.
 * **Vocab.** ``embedding.word_embeddings.weight`` and ``output_layer.weight`` are stored with the
@@ -47,7 +51,7 @@ import re
 from dataclasses import dataclass
 
 from weightsync.layout.box import Box, LocalTensor, box_shape, full_box
-from weightsync.layout.megatron import stage_layers, train_coords, trainer_layout
+from weightsync.layout.megatron import MLA_DOWN_PROJ, stage_layers, train_coords, trainer_layout
 from weightsync.layout.parallel import TrainParallel
 from weightsync.models.spec import ModelSpec
 
@@ -136,16 +140,18 @@ def homogeneous_layers(spec: ModelSpec) -> bool:
     return len(kinds) == 1
 
 
-def tp_split(spec: ModelSpec, local_name: str) -> TPSplit:
+def tp_split(spec: ModelSpec, local_name: str, *, mla_down_proj_replicated: bool = False) -> TPSplit:
     """The tensor-parallel split of a trainer parameter, as megatron-core marks it.
 
     Args:
         spec: the model.
         local_name: a name of :func:`trainer_layout`.
+        mla_down_proj_replicated: ``TrainParallel.mla_down_proj_replicated`` (the MLA down
+            projections are duplicated, not column-parallel).
 
     Returns:
-        The :class:`TPSplit`; replicated parameters (norms, router, DSA indexer) have
-        ``tensor_model_parallel=False``.
+        The :class:`TPSplit`; replicated parameters (norms, router, DSA indexer, duplicated MLA
+        down projections) have ``tensor_model_parallel=False``.
     """
     if local_name in _VOCAB:
         return TPSplit(tensor_model_parallel=True, partition_dim=0, axis="tp")
@@ -154,7 +160,8 @@ def tp_split(spec: ModelSpec, local_name: str) -> TPSplit:
     expert = _SEQ_EXPERT.match(rest) or _GROUPED_EXPERT.match(rest)
     module = rest.rsplit(".", 1)[0].rsplit(".", 1)[-1] if not expert else (
         expert.group(2) if expert.re is _SEQ_EXPERT else expert.group(1))
-    if ".indexer." in rest or not rest.split(".")[-1].startswith(("weight", "bias")):
+    if ".indexer." in rest or not rest.split(".")[-1].startswith(("weight", "bias")) or (
+            mla_down_proj_replicated and _is_mla_down_proj(rest)):
         return TPSplit(tensor_model_parallel=False, partition_dim=None, axis=None)
     axis = "etp" if expert else "tp"
     if module in _COLUMN:
@@ -163,6 +170,11 @@ def tp_split(spec: ModelSpec, local_name: str) -> TPSplit:
     if module in _ROW:
         return TPSplit(tensor_model_parallel=True, partition_dim=1, axis=axis)
     return TPSplit(tensor_model_parallel=False, partition_dim=None, axis=None)
+
+
+def _is_mla_down_proj(rest: str) -> bool:
+    """``rest`` (a name within its layer) is an MLA down projection's weight."""
+    return rest.startswith("self_attention.") and rest.removeprefix("self_attention.") in MLA_DOWN_PROJ
 
 
 def _where(spec: ModelSpec, par: TrainParallel, pp_rank: int, ep_rank: int, local_name: str) -> _Where:
@@ -209,7 +221,7 @@ def chunks_of(spec: ModelSpec, par: TrainParallel, rank: int, tensor: LocalTenso
     """
     c = train_coords(par, rank)
     where = _where(spec, par, c.pp, c.ep, tensor.name)
-    split = tp_split(spec, tensor.name)
+    split = tp_split(spec, tensor.name, mla_down_proj_replicated=par.mla_down_proj_replicated)
     shape = tensor.shape
     lead = tuple(size for _, size in where.prepend)
     lead_off = tuple(offset for offset, _ in where.prepend)
@@ -272,12 +284,14 @@ def extra_state_objects(spec: ModelSpec, par: TrainParallel, rank: int, *,
         expert_naming: as in :func:`trainer_layout`.
 
     Returns:
-        One :class:`ExtraStateObject` per linear module other than ``output_layer``, in order.
+        One :class:`ExtraStateObject` per linear module other than ``output_layer``, in order
+        (a duplicated MLA down projection is still a linear module with an ``_extra_state``).
     """
     c = train_coords(par, rank)
     out: list[ExtraStateObject] = []
     seen: set[str] = set()
     for tensor in trainer_layout(spec, par, rank, expert_naming=expert_naming):
+        # tp_split without the duplicated MLA down projections: it marks the linear modules
         if tensor.name in _VOCAB or not tp_split(spec, tensor.name).tensor_model_parallel:
             continue
         where = _where(spec, par, c.pp, c.ep, tensor.name)

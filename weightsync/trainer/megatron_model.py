@@ -18,6 +18,13 @@ Choices, each matching how Megatron-LM trains these models as far as weights go:
 * ``moe_layer_freq`` an int when every layer is MoE, else the ``[0]*k + [1]*n`` list (as miles
   passes it), which also decides the checkpoint key style (:mod:`weightsync.trainer.dist_layout`).
 
+Not built: ``TrainParallel.mla_down_proj_replicated`` (the TE spec's duplicated MLA down
+projections). ``MLASelfAttention`` builds a down projection whole only as Transformer Engine's
+``TELinear`` (or modelopt's ``Linear``, importable only with TE); with the local spec's
+``ColumnParallelLinear`` it is TP-split. :func:`build_gpt_model` refuses that configuration
+rather than build a model whose shards differ from the layout; its torch_dist checkpoint is the
+same either way, so a live model reads it with the setting off.
+
 megatron-core 0.16.1 assumes CUDA and Transformer Engine in a few places while it builds;
 :func:`megatron_compat` works around them (see there), which lets every family, MLA
 included, be built and run on a CPU machine.
@@ -234,10 +241,16 @@ def build_gpt_model(spec: ModelSpec, par: TrainParallel, rank: int, *, device: s
         The model, its parameters in ``dtype`` and the router ``expert_bias`` buffers in float32.
 
     Raises:
-        ValueError: an unsupported expert naming, or a configuration the layout refuses.
+        ValueError: an unsupported expert naming, duplicated MLA down projections (they need
+            Transformer Engine), or a configuration the layout refuses.
     """
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    if spec.is_mla and par.mla_down_proj_replicated:
+        raise ValueError(f"{spec.name}: mla_down_proj_replicated (the TE spec's duplicated linear_q_down_proj / "
+                         "linear_kv_down_proj) cannot be built with megatron-core's local spec, whose MLA down "
+                         "projections are ColumnParallelLinear (TP-split); build the model with "
+                         "mla_down_proj_replicated=False (it reads the same torch_dist checkpoint)")
     if expert_naming != "sequential":
         raise ValueError(f"expert_naming={expert_naming!r} needs Transformer Engine's TEGroupedMLP; "
                          "the local-spec model has SequentialMLP experts (use 'sequential')")
@@ -308,7 +321,7 @@ def check_against_layout(model: torch.nn.Module, spec: ModelSpec, par: TrainPara
             problems.append(f"{t.name}: shape {list(p.shape)} != layout {list(t.shape)}")
         if check_dtype and p.dtype != torch_dtype(t.dtype):
             problems.append(f"{t.name}: dtype {p.dtype} != layout {t.dtype}")
-        want = tp_split(spec, t.name)
+        want = tp_split(spec, t.name, mla_down_proj_replicated=par.mla_down_proj_replicated)
         got = (bool(getattr(p, "tensor_model_parallel", False)), getattr(p, "partition_dim", None))
         if isinstance(p, torch.nn.Parameter) and got != (want.tensor_model_parallel, want.partition_dim):
             problems.append(f"{t.name}: tensor_model_parallel/partition_dim {got} != expected "

@@ -75,22 +75,27 @@ def checkpoint_paths(ckpt_dir: str | Path, model: str, scale: str) -> Checkpoint
                            datasets=root / "datasets")
 
 
-def parse_train(text: str) -> TrainParallel:
-    """Parse ``"tp=2,pp=1,cp=1,ep=2,etp=1,world=4,last=3"`` (any subset; ``dp=N`` sets the world).
+def parse_train(text: str, *, mla_down_proj_replicated: bool = False) -> TrainParallel:
+    """Parse ``"tp=2,pp=1,cp=1,ep=2,etp=1,world=4,last=3,mla_rep=1"`` (any subset; ``dp=N`` sets
+    the world; ``mla_rep`` 0 or 1 sets ``mla_down_proj_replicated``, else the keyword's value).
 
     Without ``world``/``dp`` the world is the smallest that both the dense and the expert
     numbering divide (``lcm(tp*cp*pp, etp*ep*pp)``).
 
     Raises:
-        ValueError: an unknown key, a non-integer value, or sizes that do not divide.
+        ValueError: an unknown key, a non-integer value, ``mla_rep`` not 0 or 1, or sizes that
+            do not divide.
     """
-    keys = {"tp", "pp", "cp", "ep", "etp", "world", "dp", "last"}
+    keys = {"tp", "pp", "cp", "ep", "etp", "world", "dp", "last", "mla_rep"}
     vals: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         k, sep, v = item.partition("=")
         if not sep or k.strip() not in keys or not v.strip().isdigit():
             raise ValueError(f"bad --train item {item!r}: expected key=N with key in {sorted(keys)}")
         vals[k.strip()] = int(v)
+    if vals.get("mla_rep", 0) not in (0, 1):
+        raise ValueError(f"bad --train item mla_rep={vals['mla_rep']}: expected 0 or 1")
+    rep = bool(vals["mla_rep"]) if "mla_rep" in vals else mla_down_proj_replicated
     sizes = {k: vals.get(k, 1) for k in ("tp", "pp", "cp", "ep", "etp")}
     dense, expert = sizes["tp"] * sizes["cp"] * sizes["pp"], sizes["etp"] * sizes["ep"] * sizes["pp"]
     if "world" in vals:
@@ -101,7 +106,18 @@ def parse_train(text: str) -> TrainParallel:
         from math import lcm
 
         world = lcm(dense, expert)
-    return TrainParallel(world_size=world, pp_last_stage_layers=vals.get("last"), **sizes)
+    return TrainParallel(world_size=world, pp_last_stage_layers=vals.get("last"), mla_down_proj_replicated=rep,
+                         **sizes)
+
+
+def _profile_mla_rep(model: str) -> bool:
+    """The run profile's ``mla_down_proj_replicated`` (False for a model without one)."""
+    from weightsync.models import get_profile
+
+    try:
+        return get_profile(model).train.mla_down_proj_replicated
+    except ValueError:
+        return False
 
 
 def default_train(spec: ModelSpec) -> TrainParallel:
@@ -109,6 +125,7 @@ def default_train(spec: ModelSpec) -> TrainParallel:
 
     The model's run profile (``weightsync list``) when it fits ``spec`` at its scale; otherwise
     TP 2 (and EP 2 for MoE) on 2 ranks, or a single rank when even that does not divide.
+    ``mla_down_proj_replicated`` is the profile's either way.
     """
     from weightsync.layout.megatron import check_trainer_config
     from weightsync.models import get_profile
@@ -116,7 +133,9 @@ def default_train(spec: ModelSpec) -> TrainParallel:
     candidates = []
     with contextlib.suppress(ValueError):  # a model without a run profile
         candidates.append(get_profile(spec.name).train)
-    candidates += [TrainParallel(world_size=2, tp=2, ep=2 if spec.is_moe else 1), TrainParallel(world_size=1)]
+    rep = _profile_mla_rep(spec.name)
+    candidates += [TrainParallel(world_size=2, tp=2, ep=2 if spec.is_moe else 1, mla_down_proj_replicated=rep),
+                   TrainParallel(world_size=1, mla_down_proj_replicated=rep)]
     for par in candidates:
         try:
             check_trainer_config(spec, par)
@@ -388,8 +407,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-data", type=Path, default=None,
                         help="prompt file (.jsonl with prompt/answer) instead of the bundled math prompts")
     parser.add_argument("--train", default=None,
-                        help="parallel config of the torch_dist shards, e.g. tp=2,ep=2 (default: the run profile "
-                             "when it fits the scale)")
+                        help="parallel config of the torch_dist shards: tp, pp, cp, ep, etp, world (or dp), last "
+                             "(last PP stage's layers), mla_rep (1: MLA down projections whole on every TP rank, as "
+                             "Megatron's TE spec; 0: split over TP, as its local spec; default: the run profile's), "
+                             "e.g. tp=2,ep=2 (default: the run profile when it fits the scale)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a synthetic HF checkpoint (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -403,7 +424,8 @@ def main(args: argparse.Namespace) -> int:
             from weightsync.launch.config import env_settings
 
             ckpt_dir = env_settings().ckpt_dir
-        scale, train = args.scale, parse_train(args.train) if args.train else None
+        scale, train = args.scale, parse_train(args.train, mla_down_proj_replicated=_profile_mla_rep(args.model)) \
+            if args.train else None
         if scale is None:
             from weightsync.models.fit import cuda_device_count, fit_profile
 
