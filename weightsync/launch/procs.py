@@ -47,6 +47,7 @@ class EngineProc:
         self.proc = subprocess.Popen(list(argv), stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self.client = EngineClient(url)
+        self._stopping = False
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -57,10 +58,16 @@ class EngineProc:
         except OSError:
             return ""
 
+    def request_stop(self) -> None:
+        """Ask the engine to shut down (SIGTERM) without waiting; :meth:`stop` waits."""
+        if self.alive() and not self._stopping:
+            self.proc.terminate()
+            self._stopping = True
+
     def stop(self) -> None:
         self.client.close()
         if self.alive():
-            self.proc.terminate()
+            self.request_stop()
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -82,6 +89,9 @@ class AttachedEngine:
 
     def tail(self, n: int = 30) -> str:
         return ""
+
+    def request_stop(self) -> None:
+        pass
 
     def stop(self) -> None:
         self.client.close()
@@ -176,11 +186,15 @@ class LocalProcs:
 
     # -- teardown -------------------------------------------------------------------------------
     def close(self) -> None:
+        """Stop the trainer ranks and the engines this run started, all at once (each takes a few
+        seconds to leave its process groups and exit; in turn they took the sum)."""
         for conn in self._conns:
             try:
                 conn.send((Cmd.STOP, None))
             except (OSError, ValueError):
                 pass
+        for e in self.engines:
+            e.request_stop()
         for p in self._workers:
             p.join(timeout=10)
             if p.is_alive():

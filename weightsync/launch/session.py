@@ -62,6 +62,8 @@ class RunSession:
         self.version = 0
         self._initial: dict[str, Any] | None = None
         self._buckets: Any = None
+        self._engine_weights: list[str] = []
+        self._group: dict[str, Any] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -79,7 +81,21 @@ class RunSession:
                 self._print_step(record)
             return self.finish()
         finally:
+            if self.cfg.engine_urls:
+                self._leave_groups()
             self.procs.close()
+
+    def _leave_groups(self) -> None:
+        """Engines this run did not start keep serving: take the run's weight-update groups off
+        them (a later run creates groups of the same names)."""
+        if self._group is None:
+            return
+        for name in self._group["group_names"].values():
+            for eng in self.procs.engines:
+                try:
+                    eng.client.destroy_weights_update_group(name)
+                except EngineError as exc:
+                    log.warning("engine %d: could not leave weight-update group %s: %s", eng.index, name, exc)
 
     def _transport(self) -> str:
         if self.cfg.transport != "auto":
@@ -135,11 +151,13 @@ class RunSession:
         want = {"model": self.cfg.model, "scale": self.cfg.scale, "tp_size": r.tp, "ep_size": r.ep, "dp_size": r.dp}
         if "p2p" in self.cfg.modes:
             want["transport"] = self._transport()
-        for i, info in enumerate(self.procs.on_engines(lambda c: c.server_info())):
+        infos = self.procs.on_engines(lambda c: c.server_info())
+        for i, info in enumerate(infos):
             problems = [f"{k}={info.get(k)!r} (this run needs {v!r})" for k, v in want.items() if info.get(k) != v]
             if problems:
                 raise RunError(f"engine {i} at {self.procs.engines[i].url} does not match this run: "
                                + ", ".join(problems))
+        self._engine_weights = [str(info.get("model_path")) for info in infos]
 
     def _transfer_infos(self) -> dict[int, dict[str, Any]]:
         """Every rollout rank's published descriptor and parameter table, by global rollout rank."""
@@ -347,7 +365,7 @@ class RunSession:
                 "checkpoint": str(self.hf_dir),
                 "train": asdict(self.cfg.train), "rollout": asdict(self.cfg.rollout), "transport": self._transport(),
                 "bucket_bytes": self.cfg.bucket_bytes, "embedded_default": self.cfg.embedded_default,
-                "dest_bytes_per_receiver": self._dest_bytes()}
+                "dest_bytes_per_receiver": self._dest_bytes(), "engine_weights": self._engine_weights}
         path = write_results(self.cfg.log_dir, meta, self.steps)
         plot = plot_phases(self.cfg.log_dir, self.steps, f"{self.cfg.model} ({self.cfg.scale}) {self.cfg.mode}")
         print()

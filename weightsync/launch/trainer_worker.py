@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -168,6 +170,13 @@ def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:
     finally:
         if worker is not None:
             worker.close()
+    # Everything is released (transport, process groups): skip the interpreter's teardown of
+    # torch's module graph, ~2 s of CPU per rank (a spawned child otherwise ends with sys.exit),
+    # which on a 2-core machine was most of a run's teardown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _dispatch(worker: Worker, cmd: str, arg: Any) -> Any:

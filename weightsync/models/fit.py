@@ -32,13 +32,19 @@ def embedded_layout(model: str) -> tuple[TrainParallel, RolloutParallel]:
     DP-attention where the profile uses it, and the trainer's MLA down projections whole on every
     TP rank (``mla_down_proj_replicated``, as in the MLA profiles: the reference trains with
     Megatron's TE spec; split over TP 2, Kimi-K2's tiny ``kv_a_proj_with_mqa`` would cut its fp8
-    blocks, which a p2p sender quantizes whole within one shard)."""
+    blocks, which a p2p sender quantizes whole within one shard).
+
+    One exception, where the family does not allow the above:
+
+    * no ``dp_lm_head``: ``weightsync serve`` (the engine the embedded default runs) has no
+      ``--enable-dp-lm-head``, so its lm_head is always vocab-parallel over the whole TP group.
+    """
     profile = get_profile(model)
     spec = get_model(model, "tiny")
     ep = 2 if spec.is_moe else 1
     dp = 2 if profile.rollout.dp > 1 else 1
     train = TrainParallel(world_size=2, tp=2, ep=ep, mla_down_proj_replicated=profile.train.mla_down_proj_replicated)
-    return train, RolloutParallel(tp=2, ep=ep, dp=dp, dp_lm_head=profile.rollout.dp_lm_head and dp > 1)
+    return train, RolloutParallel(tp=2, ep=ep, dp=dp)
 
 
 def fit_profile(model: str, num_gpus: int) -> Fit:
@@ -55,7 +61,8 @@ def fit_profile(model: str, num_gpus: int) -> Fit:
     train, rollout = embedded_layout(model)
     note = (f"{model}: the profile needs {needed} GPUs on {profile.num_nodes} node(s), this machine has {num_gpus}: "
             f"running the embedded default ({get_model(model).family} family, tiny scale, CPU, "
-            f"train TP {train.tp}/EP {train.ep} -> engine TP {rollout.tp}/EP {rollout.ep}/DP {rollout.dp}).")
+            f"train TP {train.tp}/EP {train.ep}/DP {train.dp} -> "
+            f"engine TP {rollout.tp}/EP {rollout.ep}/DP {rollout.dp}).")
     return Fit(scale="tiny", device="cpu", train=train, rollout=rollout, embedded=True, note=note)
 
 
