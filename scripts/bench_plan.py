@@ -11,13 +11,6 @@ Usage::
 
     .venv/bin/python scripts/bench_plan.py                       # Kimi-K2, 256 + 256, both modes
     .venv/bin/python scripts/bench_plan.py --model GLM-5 --modes p2p
-    .venv/bin/python scripts/bench_plan.py --mla-down-proj duplicated   # see below
-
-``--mla-down-proj duplicated`` replaces the trainer's TP-split MLA down projections
-(``linear_q_down_proj`` / ``linear_kv_down_proj``, Megatron's local spec) by full replicas, as the
-Transformer Engine spec that the reference system runs keeps them. The layout module models only
-the local spec, whose 72-row shards cut Kimi-K2's [64, 64] fp8 blocks, so a p2p plan of Kimi-K2 needs
-this stand-in until the layout offers the TE variant.
 """
 
 from __future__ import annotations
@@ -34,35 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from weightsync.layout.box import LocalTensor, Piece, full_box  # noqa: E402
 from weightsync.layout.megatron import trainer_layout  # noqa: E402
 from weightsync.layout.sglang import engine_layout  # noqa: E402
 from weightsync.models import get_model, get_profile  # noqa: E402
-from weightsync.models.hf import global_tensors  # noqa: E402
 from weightsync.plan.api import build_plan, plan_for_rank, verify_plan  # noqa: E402
 from weightsync.plan.inputs import build_inputs  # noqa: E402
-
-MLA_DOWN = (".self_attention.linear_q_down_proj.weight", ".self_attention.linear_kv_down_proj.weight")
-
-
-def duplicated_down_proj(layout):
-    """Wrap a trainer layout: MLA down projections held whole on every rank (TE spec)."""
-
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def wrapped(spec, par, rank):
-        if not shapes:
-            shapes.update({n: g.shape for n, g in global_tensors(spec).items()})
-        out = []
-        for t in layout(spec, par, rank):
-            if t.name.endswith(MLA_DOWN):
-                name = t.pieces[0].global_name
-                box = full_box(shapes[name])
-                t = LocalTensor(name=t.name, shape=shapes[name], dtype=t.dtype, pieces=(Piece(name, box, box),))
-            out.append(t)
-        return out
-
-    return wrapped
 
 
 def _timed(f):
@@ -73,9 +42,8 @@ def _timed(f):
 
 def _inputs(args):
     prof = get_profile(args.model)
-    layout = duplicated_down_proj(trainer_layout) if args.mla_down_proj == "duplicated" else trainer_layout
     spec = get_model(args.model, args.scale)
-    return build_inputs(spec, prof.train, prof.rollout, trainer_layout=layout, engine_layout=engine_layout)
+    return build_inputs(spec, prof.train, prof.rollout, trainer_layout=trainer_layout, engine_layout=engine_layout)
 
 
 def one_rank(args) -> dict:
@@ -101,7 +69,7 @@ def bench_mode(args, inputs, mode: str, layout_wall: float) -> None:
         kw = {"src_rank": rank} if which == "src" else {"dst_rank": rank}
         part, w, c = _timed(lambda kw=kw: plan_for_rank(inputs, mode, **kw))
         cmd = [sys.executable, __file__, "--model", args.model, "--scale", args.scale, "--modes", mode,
-               "--mla-down-proj", args.mla_down_proj, "--one", f"{which}={rank}"]
+               "--one", f"{which}={rank}"]
         fresh = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         side = "trainer" if which == "src" else "rollout"
         print(f"{mode}: {side} rank {rank}: {part.num_ops:,} ops in {w:.2f} s wall ({c:.2f} s CPU) given the layouts; "
@@ -113,7 +81,6 @@ def main() -> int:
     p.add_argument("--model", default="Kimi-K2")
     p.add_argument("--scale", default="full")
     p.add_argument("--modes", default="p2p,broadcast")
-    p.add_argument("--mla-down-proj", choices=["layout", "duplicated"], default="layout")
     p.add_argument("--src-rank", type=int, default=0)
     p.add_argument("--dst-rank", type=int, default=0)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -125,7 +92,7 @@ def main() -> int:
                             text=True).stdout.strip()
     prof = get_profile(args.model)
     print(f"{args.model} ({args.scale}) train {prof.train.world_size} + rollout {prof.rollout.world_size} ranks; "
-          f"MLA down projections: {args.mla_down_proj}; {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}); "
+          f"{os.cpu_count()} CPUs ({platform.processor() or 'cpu'}); "
           f"commit {commit}; load {os.getloadavg()[0]:.1f}")
     inputs, lw, lc = _timed(lambda: _inputs(args))
     print(f"layouts: {lw:.2f} s wall ({lc:.2f} s CPU)")

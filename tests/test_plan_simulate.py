@@ -29,10 +29,12 @@ GRID = {
     "dp-attention-ep4": (T(world_size=4, tp=2, ep=4), R(tp=4, dp=2, ep=4, num_engines=1)),
     "dp4-attention-moe-tp4-etp2-pp2": (T(world_size=8, tp=1, ep=2, etp=2, pp=2), R(tp=4, dp=4, num_engines=2)),
 }
-# Kimi-K2 is fp8: the Megatron local spec splits the MLA down projections over TP in rows that
-# are not whole [8, 8] blocks at tiny scale (40 rows / 2), so its grid keeps trainer TP 1 (see
-# test_fp8_block_misalignment_names_the_tensor).
+# Kimi-K2 is fp8: split over TP as Megatron's local spec does, its MLA down projections (40 rows
+# at tiny scale) are not whole [8, 8] blocks per TP 2 shard (test_fp8_block_misalignment_names_the_tensor);
+# with trainer TP > 1 the grid keeps them whole, as the TE spec and the reference profile do.
 FP8_GRID = {
+    "fp8-tp2-mla-down-whole-ep2-dp-attention": (T(world_size=4, tp=2, ep=2, mla_down_proj_replicated=True),
+                                                R(tp=4, dp=2, ep=4, num_engines=2)),
     "fp8-ep2-etp2-pp2-dp4-attention": (T(world_size=8, tp=1, ep=2, etp=2, pp=2), R(tp=4, dp=4, num_engines=2)),
     "fp8-cp2-rollout-tp4": (T(world_size=2, tp=1, cp=2), R(tp=4, num_engines=1)),
     "fp8-pp3-uneven-ep-vs-rollout-ep2": (T(world_size=3, tp=1, pp=3, pp_last_stage_layers=2), R(tp=2, ep=2)),
