@@ -235,3 +235,21 @@ def test_cpu_run_tiny_both_modes(tmp_path):
     assert "broadcast update" in proc.stdout
     line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH_JSON "))
     assert json.loads(line.removeprefix("BENCH_JSON ")) == s
+
+
+@pytest.mark.parametrize(
+    ("env", "expect"),
+    [
+        ({}, {"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x400000"}),
+        (
+            {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+            {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.cpu.x86_non_temporal_threshold=0x400000"},
+        ),
+        ({"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=0x100000"}, {}),
+    ],
+    ids=["unset", "other-tunable-kept", "caller-choice-kept"],
+)
+def test_host_copy_env(env, expect):
+    from weightsync.launch.bench_worker import host_copy_env
+
+    assert host_copy_env(env) == expect

@@ -183,9 +183,9 @@ def run_processes(cfg: Any) -> list[dict[str, Any]]:
     """
     import torch.multiprocessing as mp
 
-    from weightsync.launch.bench_worker import GPU_ENV, rank_main
+    from weightsync.launch.bench_worker import GPU_ENV, host_copy_env, rank_main
 
-    os.environ.update(GPU_ENV)  # spawned children inherit it
+    os.environ.update({**GPU_ENV, **host_copy_env(os.environ)})  # spawned children inherit it
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, cfg, results), daemon=True) for r in range(cfg.world_size)]

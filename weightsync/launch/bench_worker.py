@@ -5,15 +5,19 @@ Every process of a benchmark runs :func:`rank_main`; they meet in one gloo proce
 rank numbers, which the broadcast sender's gather relies on) and go through the same steps::
 
     set_up       trainer: its Megatron-layout shards, filled with the global values
-                 engine:  its sglang-layout parameters in one transport arena, registered once
+                 engine:  its sglang-layout parameters in one transport arena, registered once,
+                          and the values a complete update must leave in them
     exchange     engines publish (descriptor, parameter addresses); trainers plan their ops
     local_copy   trainer 0 only: a plain copy of the update's bytes inside one process
-    memcpy       the link's own rate: each trainer writes the bytes it sends in p2p, as one run
-                 per destination, through the same transport into the same arenas
-    p2p          warm-up + repeats x (poison engines, barrier, send, barrier); bit-exact check
-    broadcast    warm-up + repeats x (poison, barrier, bucket by bucket gather + broadcast +
-                 keep pieces, barrier); bit-exact check
+    p2p          trainers build their P2PSender; then warm-up + ``repeats`` pairs of runs:
+                 memcpy  the link's own rate: each trainer writes the bytes it sends in p2p as
+                         one run per destination, on the sender's transport, into the same arenas
+                 p2p     P2PSender.send()
+                 and the bit-exact check of the last p2p run
+    broadcast    warm-up + ``repeats`` runs (bucket by bucket: stage sources gather and
+                 broadcast, engine ranks keep their pieces); the bit-exact check
 
+Before every run the engines zero their parameters and poison every byte a run must write.
 Each timed window runs from a barrier of every process to the next one (GPU work synchronized
 before it). The result goes back to the launcher through a queue as ``(rank, "ok", dict)`` or
 ``(rank, "error", traceback)``.
@@ -32,7 +36,7 @@ import signal
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +56,26 @@ from weightsync.rollout.params import ParamStore
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+
+NT_THRESHOLD_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+NT_THRESHOLD_BYTES = 4 << 20
+"""glibc switches memcpy to non-temporal (streaming) stores above this size. Its default is 3/4 of
+the shared cache it detects, which a VM can report far too large: the 2-core CPU machines report a
+256 MiB L3 (the EPYC has 32 MiB), so every copy below 192 MiB used cached stores, and a 64 MiB copy
+ran at 3.4 GB/s against 6.1 GB/s with streaming stores (same machine, alternating runs). The
+parameter runs of a p2p update are 1-100 MiB each, while one large reference copy is not: without
+this, the benchmark would compare the two under different copy loops."""
+
+
+def host_copy_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``GLIBC_TUNABLES`` value that sets :data:`NT_THRESHOLD_BYTES` for processes started with
+    ``environ`` (kept as is when the caller already set that tunable). Read at process start only."""
+    current = environ.get("GLIBC_TUNABLES", "")
+    if NT_THRESHOLD_TUNABLE in current:
+        return {}
+    entry = f"{NT_THRESHOLD_TUNABLE}={NT_THRESHOLD_BYTES:#x}"
+    return {"GLIBC_TUNABLES": f"{current}:{entry}" if current else entry}
+
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set in every process the benchmark spawns: NVLink multicast stays off on shared GPU hosts."""
@@ -317,69 +341,92 @@ class BenchRank:
         torch.cuda.empty_cache()
         return out
 
-    def memcpy(self, infos: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-        """The link's rate: every trainer writes the bytes it sends each rollout rank in p2p as one
-        contiguous run (disjoint destination ranges), concurrently, through the transport."""
+    def memcpy_batches(self, infos: dict[int, dict[str, Any]]) -> list[Any]:
+        """The link's reference, prepared on the p2p sender's own transport (same copy engine, same
+        opened destination memory): every trainer writes the bytes it sends each rollout rank in p2p
+        as ONE contiguous run from its parameter buffer, into disjoint ranges of that rank's arena.
+
+        Collective (every process calls it); engines get [].
+        """
         from weightsync.rollout.receiver import PARAMS_REGION
         from weightsync.transport import PeerDescriptor
 
         mine = self.bytes_by_dest() if self.is_trainer else {}
         everyone = self.gather(mine)
-        transport = self.new_transport() if self.is_trainer else None
+        if not self.is_trainer:
+            return []
+        transport = self.sender.transport
         batches = []
-        try:
-            if transport is not None:
-                transport.register_tensor("source", self.source)
-                for d, n in sorted(mine.items()):
-                    desc = PeerDescriptor.from_json(infos[d]["descriptor"])
-                    region = desc.region(PARAMS_REGION)
-                    off = sum(everyone[t].get(d, 0) for t in range(self.local))
-                    n = min(n, self.source.numel(), region.nbytes - off)
-                    if n > 0:
-                        peer = transport.connect(desc)
-                        batches.append(transport.prepare(peer, [(self.source.data_ptr(), region.addr + off, n)]))
-            return self._timed(lambda: self._write_all(transport, batches), warmup=True, before=self._poison)
-        finally:
-            if transport is not None:
-                transport.close()
-            if self.store is not None and not self.is_trainer:
-                for _, t in self.store.items():  # the runs also covered padding, which must stay zero
-                    t.zero_()
+        for d, n in sorted(mine.items()):
+            desc = PeerDescriptor.from_json(infos[d]["descriptor"])
+            region = desc.region(PARAMS_REGION)
+            off = sum(everyone[t].get(d, 0) for t in range(self.local))
+            n = min(n, self.source.numel(), region.nbytes - off)
+            if n > 0:  # connect() again: cuda_ipc reuses the handles it opened, shm maps once more
+                peer = transport.connect(desc)
+                batches.append(transport.prepare(peer, [(self.source.data_ptr(), region.addr + off, n)]))
+        return batches
 
-    def _write_all(self, transport: Any, batches: list[Any]) -> dict[str, Any]:
-        if transport is None:
+    def _memcpy_body(self, batches: list[Any]) -> dict[str, Any]:
+        if not self.is_trainer:
             return {}
         from weightsync.transport import deadline_after
 
+        transport = self.sender.transport
         t0 = time.perf_counter()
         deadline = deadline_after(self.cfg.timeout_s)
         for h in [transport.write(b.peer, b) for b in batches]:
             transport.wait(h, deadline)
         return {"own_s": time.perf_counter() - t0, "bytes": sum(b.nbytes for b in batches)}
 
-    # -- the two modes ------------------------------------------------------------------------
-    def _timed(
-        self, body: Callable[[], dict[str, Any]], *, warmup: bool, before: Callable[[], None] | None = None
-    ) -> list[dict[str, Any]]:
-        """Run ``body`` between two barriers of every process, once untimed-labelled as warm-up
-        (when ``warmup``) and ``repeats`` times; ``before`` runs outside each window."""
-        rows = []
-        for i in range(self.cfg.repeats + (1 if warmup else 0)):
-            if before is not None:
-                before()
-            self.barrier()
-            t0 = time.perf_counter()
-            row = body()
-            self.barrier()
-            row["window_s"] = time.perf_counter() - t0
-            row["warmup"] = warmup and i == 0
-            rows.append(row)
-        return rows
+    def _p2p_body(self) -> dict[str, Any]:
+        if not self.is_trainer:
+            return {}
+        s = self.sender.send(deadline_s=self.cfg.timeout_s)
+        return {
+            "send_s": s.total_s,
+            "pack_s": s.pack_s,
+            "wire_s": s.wire_s,
+            "bytes": s.nbytes,
+            "bytes_by_dest": s.bytes_by_dest,
+        }
 
-    def _poison(self) -> None:
+    # -- the two modes ------------------------------------------------------------------------
+    def _window(self, body: Callable[[], dict[str, Any]], *, warmup: bool) -> dict[str, Any]:
+        """Reset the engines' parameters (outside the window), then time ``body`` between two
+        barriers of every process."""
+        self._reset()
+        self.barrier()
+        t0 = time.perf_counter()
+        row = body()
+        self.barrier()
+        row["window_s"] = time.perf_counter() - t0
+        row["warmup"] = warmup
+        return row
+
+    def _reset(self) -> None:
+        """Engine: padding zero (a memcpy reference run writes over it), every piece poisoned."""
         if not self.is_trainer:
             assert self.store is not None
+            for _, t in self.store.items():
+                t.zero_()
             poison(self.store)
+
+    def p2p(self, infos: dict[int, dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Alternate memcpy-reference runs and p2p runs (one warm-up pair, then ``repeats`` pairs),
+        so that both see the same machine; then check the last p2p run bit for bit.
+
+        Returns:
+            ``(memcpy runs, {"runs": p2p runs, "check": ...})``.
+        """
+        if self.is_trainer:
+            self.build_sender(infos)
+        batches = self.memcpy_batches(infos)
+        memcpy, p2p = [], []
+        for i in range(self.cfg.repeats + 1):
+            memcpy.append(self._window(lambda: self._memcpy_body(batches), warmup=i == 0))
+            p2p.append(self._window(self._p2p_body, warmup=i == 0))
+        return memcpy, {"runs": p2p, "check": self.check()}
 
     def check(self) -> dict[str, Any] | None:
         """Engine: compare every parameter with the expected bytes (trainer: None)."""
@@ -389,22 +436,6 @@ class BenchRank:
         assert self.expected is not None
         bad = compare(self.store, self.expected)
         return {"params": len(self.store.names()), "mismatched": len(bad), "names": bad[:10]}
-
-    def p2p(self) -> dict[str, Any]:
-        def body() -> dict[str, Any]:
-            if not self.is_trainer:
-                return {}
-            s = self.sender.send(deadline_s=self.cfg.timeout_s)
-            return {
-                "send_s": s.total_s,
-                "pack_s": s.pack_s,
-                "wire_s": s.wire_s,
-                "bytes": s.nbytes,
-                "bytes_by_dest": s.bytes_by_dest,
-            }
-
-        runs = self._timed(body, warmup=True, before=self._poison)
-        return {"runs": runs, "check": self.check()}
 
     def broadcast(self) -> dict[str, Any]:
         from weightsync.plan.broadcast import plan_broadcast
@@ -429,7 +460,7 @@ class BenchRank:
             return dict(acc)
 
         try:
-            runs = self._timed(body, warmup=True, before=self._poison)
+            runs = [self._window(body, warmup=i == 0) for i in range(self.cfg.repeats + 1)]
             return {"runs": runs, "check": self.check(), "buckets": len(buckets)}
         finally:
             group = getattr(endpoint, "group", None)
@@ -489,10 +520,7 @@ def run_rank(bench: BenchRank) -> dict[str, Any]:
     out["local_copy"] = bench.local_copy(total or int(out.get("param_bytes", 0)))
     bench.barrier()
     if "p2p" in cfg.modes:
-        out["memcpy"] = bench.memcpy(infos)
-        if bench.is_trainer:
-            bench.build_sender(infos)
-        out["p2p"] = bench.p2p()
+        out["memcpy"], out["p2p"] = bench.p2p(infos)
     if "broadcast" in cfg.modes:
         out["broadcast"] = bench.broadcast()
     bench.barrier()
