@@ -346,11 +346,12 @@ def test_kimi_k2_reference_profile_keeps_fp8_blocks_whole():
     assert par.tp == 8
     block = spec.fp8_block
     assert block is not None
+    gts = global_tensors(spec)
     for rank in (0, 7):
-        for t in trainer_layout(spec, par, rank):
-            for p in t.pieces:
-                if p.global_name.endswith(("kv_a_proj_with_mqa.weight", "q_a_proj.weight")):
-                    assert p.global_box == full_box(global_tensors(spec)[p.global_name].shape)
+        down = [p for t in trainer_layout(spec, par, rank) if t.name.endswith(MLA_DOWN_PROJ) for p in t.pieces]
+        assert len(down) == 2 * 8  # both projections of the stage's 8 layers
+        for p in down:
+            assert p.global_box == full_box(gts[p.global_name].shape), p.global_name
     split = trainer_layout(spec, dataclasses.replace(par, mla_down_proj_replicated=False), 1)
     (kv,) = [t for t in split if t.name == "decoder.layers.0.self_attention.linear_kv_down_proj.weight"]
     assert kv.pieces[0].global_box[0] == (72, 144)
