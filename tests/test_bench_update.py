@@ -253,3 +253,47 @@ def test_host_copy_env(env, expect):
     from weightsync.launch.bench_worker import host_copy_env
 
     assert host_copy_env(env) == expect
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_cuda_run_tiny(tmp_path):
+    """The CUDA path end to end: GPU0 -> GPU1 with both modes when two GPUs are visible, else
+    p2p between two processes on one GPU (NCCL cannot broadcast within one GPU)."""
+    two = torch.cuda.device_count() >= 2
+    extra = ["--mode", "both"] if two else ["--mode", "p2p", "--placement", "colocated"]
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightsync.cli",
+            "bench",
+            "Qwen3-4B",
+            "--scale",
+            "tiny",
+            "--train",
+            "tp=1",
+            "--rollout",
+            "tp=1",
+            "--device",
+            "cuda",
+            "--repeats",
+            "1",
+            "--timeout",
+            "200",
+            "--out",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=290,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    s = json.loads(out.read_text())
+    assert s["verified"]
+    assert s["p2p"]["bytes_per_receiver"] == s["p2p"]["shard_bytes"]
+    assert s["transport"] == "cuda_ipc"
