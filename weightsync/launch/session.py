@@ -36,6 +36,7 @@ from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.plan.inputs import build_inputs
+from weightsync.trainer.sender import dest_rank_from_info
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class RunSession:
         self._buckets: Any = None
         self._engine_weights: list[str] = []
         self._group: dict[str, Any] | None = None
+        self._infos: dict[int, dict[str, Any]] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -146,7 +148,9 @@ class RunSession:
             ["--mooncake-device", env.mooncake_device] if env.mooncake_device else [])
 
     def check_engines(self) -> None:
-        """Refuse engines that serve another model or layout, before any byte is written."""
+        """Refuse engines that serve another model or layout, before any byte is written: their
+        ``/server_info`` (model, scale, parallel sizes, transport) and, for p2p, the parameter
+        table every rank publishes (kept for :meth:`setup_p2p`)."""
         r = self.cfg.rollout
         want = {"model": self.cfg.model, "scale": self.cfg.scale, "tp_size": r.tp, "ep_size": r.ep, "dp_size": r.dp}
         if "p2p" in self.cfg.modes:
@@ -158,6 +162,8 @@ class RunSession:
                 raise RunError(f"engine {i} at {self.procs.engines[i].url} does not match this run: "
                                + ", ".join(problems))
         self._engine_weights = [str(info.get("model_path")) for info in infos]
+        if "p2p" in self.cfg.modes:
+            self._infos = self._transfer_infos()
 
     def _transfer_infos(self) -> dict[int, dict[str, Any]]:
         """Every rollout rank's published descriptor and parameter table, by global rollout rank."""
@@ -171,11 +177,15 @@ class RunSession:
                 if descriptor is None:
                     raise RunError(f"engine {e} rank {r} published no transport descriptor: start it with --transport")
                 out[e * tp + r] = {"session_id": session, "weights": weights, "descriptor": descriptor}
+                try:  # the parameters it publishes are the ones the plan writes (names, sizes)
+                    dest_rank_from_info(e * tp + r, out[e * tp + r], self.inputs.dest_layout(e * tp + r))
+                except ValueError as exc:
+                    raise RunError(f"engine {e} at {eng.url}, rank {r}: {exc}") from None
         return out
 
     def setup_p2p(self) -> None:
-        infos = self._transfer_infos()
-        res = self.procs.command(Cmd.SETUP_P2P, infos)
+        assert self._infos is not None
+        res = self.procs.command(Cmd.SETUP_P2P, self._infos)
         ops = sum(x["ops"] for x in res)
         print(f"p2p plan: {ops} ops over {len(res)} trainer ranks, {sum(x['bytes'] for x in res) / 1e6:.1f} MB per "
               f"update, planned in {max(x['plan_s'] for x in res):.2f} s", flush=True)
