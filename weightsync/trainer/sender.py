@@ -201,7 +201,7 @@ class P2PSender:
         self._staging = [torch.empty(stage_cap, dtype=torch.uint8, device=self._device()) for _ in range(2)]
         self._register_sources(direct, source_regions)
         self._peers: dict[int, Peer] = {r: transport.connect(d.descriptor) for r, d in dests.items()}
-        self._direct = self._compile_direct(direct)
+        self._direct = self._rotate(self._compile_direct(direct), ops)
         self._bucket_runs = [self._compile_bucket(b, half=i % 2) for i, b in enumerate(self._buckets)]
         self.bytes_direct = sum(b.nbytes for b in self._direct.values())
         self.bytes_staged = sum(s.nbytes for b in self._buckets for s in b)
@@ -275,6 +275,16 @@ class P2PSender:
             d_runs = box_runs(dp.shape, op.dst_box, isz)
             per_dest[op.dst_rank].append(_pair(s_runs, d_runs, src.data_ptr(), dp.addr))
         return {r: self.transport.prepare(self._peers[r], np.concatenate(rs)) for r, rs in per_dest.items()}
+
+    @staticmethod
+    def _rotate(batches: dict[int, WriteBatch], ops: Sequence[CopyOp]) -> dict[int, WriteBatch]:
+        """Order the per-destination batches starting at a receiver that depends on this sender,
+        so that the senders of a plan (ordered by destination) do not all start on the same one."""
+        order = sorted(batches)
+        if not order or not ops:
+            return batches
+        k = ops[0].src_rank % len(order)
+        return {r: batches[r] for r in order[k:] + order[:k]}
 
     def _compile_bucket(self, bucket: Sequence[_Staged], half: int) -> dict[int, WriteBatch]:
         base = self._staging[half].data_ptr()

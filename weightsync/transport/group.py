@@ -32,7 +32,7 @@ def new_weight_update_group(*, master_address: str, master_port: int, rank: int,
         timeout: rendezvous and per-collective timeout.
 
     Returns:
-        The process group (use its ``broadcast([tensor], root)`` method).
+        The process group (use its ``broadcast(tensor, root)`` method).
 
     Raises:
         ValueError: unknown backend or rank out of range.
