@@ -20,9 +20,4 @@ case "${VARIANT}" in
     *) echo "ERROR: unknown variant '${VARIANT}'. Use GLM-5_4layer, GLM-5_20layer, or GLM-5." >&2; exit 1 ;;
 esac
 
-if [ "${NODE_RANK}" -eq 0 ]; then
-    "${PY}" "${SCRIPT_DIR}/run.py" prepare "${VARIANT}"
-else
-    "${PY}" "${SCRIPT_DIR}/run.py" prepare "${VARIANT}" --download-only
-fi
-"${PY}" "${SCRIPT_DIR}/run.py" run "${VARIANT}" --mode "${MODE}" --node-rank "${NODE_RANK}" --head-ip "${HEAD_NODE_IP}"
+prepare_and_run "${VARIANT}" "${MODE}" "${NODE_RANK}" "${HEAD_NODE_IP}"

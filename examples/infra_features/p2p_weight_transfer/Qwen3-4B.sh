@@ -4,10 +4,6 @@
 #   MODE : p2p (default) | broadcast
 # On a machine without the profile's GPUs this runs the embedded default (tiny, CPU).
 set -euo pipefail
-
-MODE="${1:-p2p}"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${SCRIPT_DIR}/common.sh"
-
-"${PY}" "${SCRIPT_DIR}/run.py" prepare Qwen3-4B
-"${PY}" "${SCRIPT_DIR}/run.py" run Qwen3-4B --mode "${MODE}"
+prepare_and_run Qwen3-4B "${1:-p2p}" 0 ""
