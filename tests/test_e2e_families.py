@@ -23,7 +23,7 @@ import pytest
 from tests.e2e_helpers import (
     assert_bytes_exact,
     assert_run_passed,
-        e2e_ckpt_fixture,  # noqa: F401 -- the e2e_ckpt fixture
+    e2e_ckpt_fixture,  # noqa: F401 -- the e2e_ckpt fixture
     model_bytes,
     run_in_process,
 )
