@@ -133,7 +133,11 @@ def main(args: argparse.Namespace) -> int:
     if cfg is None:
         return 0
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train)
+    try:
+        hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train)
+    except (ValueError, FileExistsError) as exc:  # prepare's errors name the checkpoint and what is wrong
+        print(f"weightsync run: prepare: {exc}", file=sys.stderr)
+        return 2
     print(f"model {cfg.model} ({cfg.scale}), mode {cfg.mode}, {cfg.device}; checkpoint {hf_dir}; logs {cfg.log_dir}",
           flush=True)
     try:
