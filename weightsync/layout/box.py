@@ -21,7 +21,7 @@ def full_box(shape: tuple[int, ...]) -> Box:
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
-    return tuple(b - a for a, b in box)
+    return tuple([b - a for a, b in box])
 
 
 def box_volume(box: Box) -> int:
@@ -68,9 +68,21 @@ class Piece:
     local_box: Box
 
     def __post_init__(self) -> None:
-        gs = box_shape(self.global_box)
-        ls = box_shape(self.local_box)
-        if tuple(d for d in ls[len(ls) - len(gs):]) != gs or any(d != 1 for d in ls[: len(ls) - len(gs)]):
+        # Hot path (millions of pieces at full size): plain loops, no generators.
+        g, loc = self.global_box, self.local_box
+        extra = len(loc) - len(g)
+        ok = extra >= 0
+        if ok:
+            for a, b in loc[:extra]:
+                if b - a != 1:
+                    ok = False
+                    break
+        if ok:
+            for (ga, gb), (la, lb) in zip(g, loc[extra:]):
+                if gb - ga != lb - la:
+                    ok = False
+                    break
+        if not ok:
             raise ValueError(f"piece of {self.global_name}: local box {self.local_box} does not match {self.global_box}")
 
     def local_of(self, gbox: Box) -> Box:
