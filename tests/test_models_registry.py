@@ -325,3 +325,15 @@ def test_mla_profiles_duplicate_the_down_projections(name: str) -> None:
     train, _ = embedded_layout(name)
     assert train.mla_down_proj_replicated == mla
     assert train.tp == 2
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_embedded_engine_keeps_the_profile_flags(name: str) -> None:
+    """The embedded default's engine keeps the profile's --moe-dense-tp-size and, under
+    DP-attention, --enable-dp-lm-head (``weightsync serve`` starts engines with both)."""
+    from weightsync.models.fit import embedded_layout
+
+    r = get_profile(name).rollout
+    _, emb = embedded_layout(name)
+    assert emb.moe_dense_tp == r.moe_dense_tp
+    assert emb.dp_lm_head == (r.dp_lm_head and emb.dp > 1)

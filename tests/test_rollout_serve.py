@@ -141,6 +141,8 @@ def test_serve_cli_options_are_pinned() -> None:
         "--tp",
         "--dp",
         "--ep",
+        "--moe-dense-tp-size",
+        "--enable-dp-lm-head",
         "--device",
         "--host",
         "--port",
@@ -159,6 +161,22 @@ def test_serve_cli_options_are_pinned() -> None:
     }
     args = parser.parse_args(["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--dp", "2"])
     assert (args.model, args.host, args.load_format, args.checkpoint) == ("GLM-5", "127.0.0.1", None, None)
+    assert (args.moe_dense_tp_size, args.enable_dp_lm_head) == (None, False)
+
+
+def test_serve_passes_the_dense_tp_and_dp_lm_head_flags() -> None:
+    """--moe-dense-tp-size 1 and --enable-dp-lm-head reach the engine's RolloutParallel; other
+    dense TP sizes are refused before any process starts."""
+    from weightsync.rollout.bootstrap import check_config
+    from weightsync.rollout.serve import config_from_args
+
+    parser = build_parser()
+    argv = ["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--dp", "2", "--ep", "2"]
+    args = parser.parse_args([*argv, "--moe-dense-tp-size", "1", "--enable-dp-lm-head"])
+    _, par = check_config(config_from_args(args))
+    assert (par.moe_dense_tp, par.dp_lm_head, par.attn_tp) == (1, True, 1)
+    with pytest.raises(ValueError, match="moe_dense_tp"):
+        check_config(config_from_args(parser.parse_args([*argv, "--moe-dense-tp-size", "2"])))
 
 
 @pytest.mark.timeout(180)

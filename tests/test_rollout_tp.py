@@ -1,6 +1,7 @@
 """Contract: a two-rank engine (two processes, gloo) computes what the single-process reference
 computes, for every family at TP 2, every MoE family at EP 2, and with DP-attention for the
-MLA models (GLM-5 with EP and replicated dense MLPs, Kimi-K2 with a DP lm_head); and rank 0
+MLA models (GLM-5 with EP and replicated dense MLPs, Kimi-K2 with a DP lm_head, and with both
+plus EP as its profile runs them); and rank 0
 drives rank 1 through the control protocol: the weight checker, the broadcast update path
 (from a trainer thread in this process) and error propagation.
 
@@ -40,6 +41,9 @@ CONFIGS: list[tuple[str, RolloutParallel]] = (
     + [
         ("GLM-5", RolloutParallel(tp=2, dp=2, ep=2, moe_dense_tp=1)),
         ("Kimi-K2", RolloutParallel(tp=2, dp=2, dp_lm_head=True)),
+        # The reference profiles' engine flags together (serve --moe-dense-tp-size 1 --enable-dp-lm-head).
+        ("Kimi-K2", RolloutParallel(tp=2, dp=2, ep=2, moe_dense_tp=1, dp_lm_head=True)),
+        ("GLM-5", RolloutParallel(tp=2, dp=2, ep=2, moe_dense_tp=1, dp_lm_head=True)),
     ]
 )
 DRIVER_MODEL, DRIVER_PAR = "Kimi-K2", RolloutParallel(tp=2, ep=2)

@@ -206,9 +206,12 @@ class LocalProcs:
 
 
 def serve_argv(*, model: str, scale: str, tp: int, ep: int, dp: int, device: str, port: int, checkpoint: Path | None,
-               transport: str, host: str = "127.0.0.1", extra: Sequence[str] = ()) -> list[str]:
+               transport: str, host: str = "127.0.0.1", moe_dense_tp: int | None = None, dp_lm_head: bool = False,
+               extra: Sequence[str] = ()) -> list[str]:
     """The command line of one engine (``python -m weightsync.cli serve ...``)."""
     argv = [sys.executable, "-m", "weightsync.cli", "serve", model, "--scale", scale, "--tp", str(tp), "--ep", str(ep),
             "--dp", str(dp), "--device", device, "--host", host, "--port", str(port), "--transport", transport]
+    argv += ["--moe-dense-tp-size", str(moe_dense_tp)] if moe_dense_tp is not None else []
+    argv += ["--enable-dp-lm-head"] if dp_lm_head else []
     argv += ["--checkpoint", str(checkpoint)] if checkpoint is not None else ["--load-format", "dummy"]
     return argv + list(extra)

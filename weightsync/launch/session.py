@@ -111,7 +111,8 @@ class RunSession:
         argvs = [
             serve_argv(model=cfg.model, scale=cfg.scale, tp=r.tp, ep=r.ep, dp=r.dp, device=cfg.device, port=p,
                        checkpoint=None if cfg.env.skip_validation else self.hf_dir, transport=self._transport(),
-                       host=cfg.host, extra=self._mooncake_args())
+                       host=cfg.host, moe_dense_tp=r.moe_dense_tp, dp_lm_head=r.dp_lm_head,
+                       extra=self._mooncake_args())
             for p in ports
         ]
         if cfg.engine_urls:
@@ -149,10 +150,11 @@ class RunSession:
 
     def check_engines(self) -> None:
         """Refuse engines that serve another model or layout, before any byte is written: their
-        ``/server_info`` (model, scale, parallel sizes, transport) and, for p2p, the parameter
+        ``/server_info`` (model, scale, parallel sizes and flags, transport) and, for p2p, the parameter
         table every rank publishes (kept for :meth:`setup_p2p`)."""
         r = self.cfg.rollout
-        want = {"model": self.cfg.model, "scale": self.cfg.scale, "tp_size": r.tp, "ep_size": r.ep, "dp_size": r.dp}
+        want = {"model": self.cfg.model, "scale": self.cfg.scale, "tp_size": r.tp, "ep_size": r.ep, "dp_size": r.dp,
+                "moe_dense_tp_size": r.moe_dense_tp, "enable_dp_lm_head": r.dp_lm_head}
         if "p2p" in self.cfg.modes:
             want["transport"] = self._transport()
         infos = self.procs.on_engines(lambda c: c.server_info())

@@ -29,22 +29,20 @@ class Fit:
 
 def embedded_layout(model: str) -> tuple[TrainParallel, RolloutParallel]:
     """The tiny CPU layout of a profile's family: TP 2 on both sides, EP 2 for MoE families,
-    DP-attention where the profile uses it, and the trainer's MLA down projections whole on every
-    TP rank (``mla_down_proj_replicated``, as in the MLA profiles: the reference trains with
-    Megatron's TE spec; split over TP 2, Kimi-K2's tiny ``kv_a_proj_with_mqa`` would cut its fp8
-    blocks, which a p2p sender quantizes whole within one shard).
-
-    One exception, where the family does not allow the above:
-
-    * no ``dp_lm_head``: ``weightsync serve`` (the engine the embedded default runs) has no
-      ``--enable-dp-lm-head``, so its lm_head is always vocab-parallel over the whole TP group.
+    DP-attention where the profile uses it (with the profile's ``dp_lm_head``), the profile's
+    ``moe_dense_tp``, and the trainer's MLA down projections whole on every TP rank
+    (``mla_down_proj_replicated``, as in the MLA profiles: the reference trains with Megatron's TE
+    spec; split over TP 2, Kimi-K2's tiny ``kv_a_proj_with_mqa`` would cut its fp8 blocks, which a
+    p2p sender quantizes whole within one shard).
     """
     profile = get_profile(model)
     spec = get_model(model, "tiny")
     ep = 2 if spec.is_moe else 1
     dp = 2 if profile.rollout.dp > 1 else 1
     train = TrainParallel(world_size=2, tp=2, ep=ep, mla_down_proj_replicated=profile.train.mla_down_proj_replicated)
-    return train, RolloutParallel(tp=2, ep=ep, dp=dp)
+    rollout = RolloutParallel(tp=2, ep=ep, dp=dp, moe_dense_tp=profile.rollout.moe_dense_tp,
+                              dp_lm_head=profile.rollout.dp_lm_head and dp > 1)
+    return train, rollout
 
 
 def fit_profile(model: str, num_gpus: int) -> Fit:

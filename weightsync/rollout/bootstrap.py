@@ -37,7 +37,9 @@ def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
         ValueError: unknown model or scale, bad sizes, not enough CUDA devices.
     """
     spec = get_model(cfg.model, cfg.scale)
-    par = RolloutParallel(tp=cfg.tp, dp=cfg.dp, ep=cfg.ep)
+    par = RolloutParallel(
+        tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, moe_dense_tp=cfg.moe_dense_tp_size, dp_lm_head=cfg.enable_dp_lm_head
+    )
     check_engine_parallel(spec, par)
     if cfg.device == "cuda" and torch.cuda.device_count() < par.tp:
         raise ValueError(f"tp={par.tp} needs {par.tp} CUDA devices, found {torch.cuda.device_count()}")

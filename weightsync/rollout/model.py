@@ -8,7 +8,9 @@ blockwise; fine for CPU tests and small models, not a fast path).
 Where the layout splits a reduction dim, the rank computes a partial sum and the model
 all-reduces it (see :mod:`weightsync.rollout.tp`): attention output over attention-TP, dense
 MLP over TP unless replicated (``--moe-dense-tp-size 1``), routed + shared experts over TP
-(EP x moe-TP), the embedding over its vocab split; the lm_head logits are all-gathered.
+(EP x moe-TP), the embedding over its vocab split; the lm_head logits are all-gathered over the
+lm_head's vocab split (attention-TP with ``--enable-dp-lm-head``, else TP): with DP-attention
+every attention group computes the same batch here, so each group's gather is the full vocab.
 
 Typical usage::
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from weightsync.layout.sglang import vocab_shard
+from weightsync.layout.sglang import dense_mlp_split, vocab_shard
 from weightsync.models.spec import ModelSpec
 from weightsync.quant.fp8 import dequantize_block_fp8
 from weightsync.rollout.attention import gqa_attention, mla_attention, new_layer_cache
@@ -47,6 +49,8 @@ class Model:
         self._head = (
             self._embed if spec.tie_word_embeddings else vocab_shard(spec, groups.par, groups.rank, lm_head=True)
         )
+        # --moe-dense-tp-size 1 (MLA / GLM-4.5 families): dense MLPs whole on every rank, no reduction.
+        self._dense_replicated = dense_mlp_split(spec, groups.par, groups.coords)[1] == 1
         a0 = "model.layers.0.self_attn."
         if spec.is_mla:
             q_name = a0 + ("q_b_proj.weight" if spec.q_lora_rank is not None else "q_proj.weight")
@@ -134,10 +138,8 @@ class Model:
     def _mlp(self, layer: int, m: str, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         if not spec.is_moe_layer(layer):
-            gate_up = self.w(m + "gate_up_proj.weight")
-            out = F.linear(swiglu(F.linear(x, gate_up)), self.w(m + "down_proj.weight"))
-            replicated = gate_up.shape[0] == 2 * spec.intermediate_size
-            return out if replicated else self.groups.tp.all_reduce(out)
+            out = F.linear(swiglu(F.linear(x, self.w(m + "gate_up_proj.weight"))), self.w(m + "down_proj.weight"))
+            return out if self._dense_replicated else self.groups.tp.all_reduce(out)
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         out = self._experts(m, flat)

@@ -46,6 +46,10 @@ class ServeConfig:
     dp: int = 1
     """DP-attention size (1 = off)."""
     ep: int = 1
+    moe_dense_tp_size: int | None = None
+    """sglang ``--moe-dense-tp-size`` (only 1: dense MLP layers replicated; None: split over TP)."""
+    enable_dp_lm_head: bool = False
+    """sglang ``--enable-dp-lm-head``: lm_head vocab split over attention-TP instead of full TP."""
     device: str = "cpu"
     """``cpu`` or ``cuda`` (rank r uses ``cuda:r``)."""
     host: str = "127.0.0.1"
@@ -94,6 +98,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="ranks (processes) of the engine")
     parser.add_argument("--dp", type=int, default=1, help="DP-attention size (1 = off)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument(
+        "--moe-dense-tp-size",
+        type=int,
+        default=None,
+        help="1: replicate dense MLP layers (MLA and GLM-4.5 models); default: split over TP",
+    )
+    parser.add_argument(
+        "--enable-dp-lm-head",
+        action="store_true",
+        help="split the lm_head vocab over attention-TP instead of full TP (with --dp > 1)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=30000)
@@ -130,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         tp=args.tp,
         dp=args.dp,
         ep=args.ep,
+        moe_dense_tp_size=args.moe_dense_tp_size,
+        enable_dp_lm_head=args.enable_dp_lm_head,
         device=args.device,
         host=args.host,
         port=args.port,
@@ -281,6 +298,8 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
         "tp_size": par.tp,
         "dp_size": par.dp,
         "ep_size": par.ep,
+        "moe_dense_tp_size": par.moe_dense_tp,
+        "enable_dp_lm_head": par.dp_lm_head,
         "pid": os.getpid(),
     }
     sched.start()
@@ -295,12 +314,14 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
             )
         )
         logger.info(
-            "serving %s (scale %s, tp %d dp %d ep %d, %s) on http://%s:%d",
+            "serving %s (scale %s, tp %d dp %d ep %d%s%s, %s) on http://%s:%d",
             cfg.model,
             cfg.scale,
             par.tp,
             par.dp,
             par.ep,
+            ", moe-dense-tp 1" if par.moe_dense_tp == 1 else "",
+            ", dp-lm-head" if par.dp_lm_head else "",
             cfg.device,
             cfg.host,
             cfg.port,

@@ -2,9 +2,11 @@
 
 One engine of ``tp`` ranks uses three kinds of groups (sglang's names):
 
-* ``tp``      all ranks of the engine: dense-MLP, MoE (EP x moe-TP) and vocab all-reduces;
+* ``tp``      all ranks of the engine: dense-MLP (unless ``--moe-dense-tp-size 1`` replicates
+  it), MoE (EP x moe-TP) and vocab all-reduces;
 * ``attn_tp`` the ranks of one DP-attention group (``tp // dp`` consecutive ranks): the
-  attention output all-reduce (equal to ``tp`` when DP-attention is off);
+  attention output all-reduce and, with ``--enable-dp-lm-head``, the lm_head logits gather
+  (equal to ``tp`` when DP-attention is off);
 * ``control`` a gloo group over all ranks for commands (pickled objects) from rank 0, also on
   CUDA engines.
 
