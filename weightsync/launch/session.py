@@ -44,6 +44,13 @@ LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 """Max |engine - reference| of prompt logprobs, per model dtype (TP reductions reorder sums)."""
 
 
+COMPUTE_DTYPE_ARGS = ("--compute-dtype", "float32")
+"""Engines of a run compute in float32 (weights stay in their own dtype): the logprob-parity gate
+compares with a float32 reference forward, and bf16 activations on CUDA flip near-tied MoE
+routing choices (measured on H200: |d| up to 0.25 with bf16, ~1e-5 with float32), which would
+hide or fake a weight error. It does not change a byte that the update moves."""
+
+
 class RunError(RuntimeError):
     """The run stopped; the message says why (before any byte is written when it can)."""
 
@@ -112,7 +119,7 @@ class RunSession:
             serve_argv(model=cfg.model, scale=cfg.scale, tp=r.tp, ep=r.ep, dp=r.dp, device=cfg.device, port=p,
                        checkpoint=None if cfg.env.skip_validation else self.hf_dir, transport=self._transport(),
                        host=cfg.host, moe_dense_tp=r.moe_dense_tp, dp_lm_head=r.dp_lm_head,
-                       extra=self._mooncake_args())
+                       extra=[*self._mooncake_args(), *COMPUTE_DTYPE_ARGS])
             for p in ports
         ]
         if cfg.engine_urls:

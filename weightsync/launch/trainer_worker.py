@@ -83,7 +83,9 @@ class Worker:
             "gloo", init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank, world_size=cfg.train.world_size
         )
         self.layout: list[LocalTensor] = trainer_layout(self.spec, cfg.train, rank)
-        self.trainer = SyntheticTrainer.from_torch_dist(cfg.ckpt_dir, self.spec, cfg.train, rank, device=cfg.device,
+        self.gpu = trainer_gpu(rank) if cfg.device == "cuda" else None
+        device = f"cuda:{self.gpu}" if self.gpu is not None else cfg.device
+        self.trainer = SyntheticTrainer.from_torch_dist(cfg.ckpt_dir, self.spec, cfg.train, rank, device=device,
                                                         seed=cfg.seed)
         self._inputs: PlanInputs | None = None
         self.sender: Any = None
@@ -101,6 +103,8 @@ class Worker:
 
         if self.cfg.transport == "mooncake":
             return make_transport("mooncake", protocol=self.cfg.mooncake_protocol, device=self.cfg.mooncake_device)
+        if self.cfg.transport == "cuda_ipc":
+            return make_transport("cuda_ipc", device=self.gpu)
         return make_transport(self.cfg.transport)
 
     def setup_p2p(self, dests_json: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -143,6 +147,19 @@ class Worker:
             self.bcast.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def trainer_gpu(rank: int) -> int:
+    """The GPU of trainer rank ``rank`` on this node, made current.
+
+    Engine ranks take GPUs from 0 up (``weightsync serve`` puts rank r on cuda:r), so trainer
+    ranks take them from the last one down: on a node with room for both they do not share a
+    GPU, and where they must share (fewer GPUs than ranks) the writes stay on that GPU.
+    """
+    n = torch.cuda.device_count()
+    gpu = (n - 1 - rank) % n
+    torch.cuda.set_device(gpu)
+    return gpu
 
 
 def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:

@@ -42,6 +42,16 @@ def _expand(s: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> 
     return s.repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)[: shape[0], : shape[1]]
 
 
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` as a true division on every device.
+
+    CUDA divides a tensor by a Python scalar as a multiplication by its reciprocal, which rounds
+    differently from the CPU's division; dividing by a tensor is a true division on both, so the
+    scales a GPU sender writes equal the ones a CPU check expects, bit for bit.
+    """
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def block_scale_inv(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """The float32 ``scale_inv`` of ``w`` (one value per block).
 
@@ -52,7 +62,7 @@ def block_scale_inv(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     Returns:
         float32 tensor ``[ceil(R/b0), ceil(C/b1)]``.
     """
-    return _blocked_amax(w, block) / FP8_MAX
+    return _scale_of(_blocked_amax(w, block))
 
 
 def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +78,7 @@ def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     amax = _blocked_amax(w, block)
     factor = _expand(FP8_MAX / amax, block, tuple(w.shape))
     q = (w.float() * factor).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, amax / FP8_MAX
+    return q, _scale_of(amax)
 
 
 def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
