@@ -569,9 +569,13 @@ class Transport(abc.ABC):
             )
         return self._connect(descriptor)
 
-    @abc.abstractmethod
     def _connect(self, descriptor: PeerDescriptor) -> Peer:
-        """Backend part of :meth:`connect` (checks above already passed)."""
+        """Backend part of :meth:`connect` (checks above already passed).
+
+        The default opens nothing: backends that address the peer's published pointers directly
+        (mooncake, dist, local) only need its region table; mapping backends override it.
+        """
+        return Peer(descriptor=descriptor, table=RegionTable(descriptor.regions))
 
     # -- writing ---------------------------------------------------------------------------
 

@@ -37,9 +37,7 @@ from weightsync.transport._host import copy_blocks, host_tensor
 from weightsync.transport.base import (
     HOST,
     Peer,
-    PeerDescriptor,
     Region,
-    RegionTable,
     Run,
     Transport,
     WriteBatch,
@@ -106,8 +104,6 @@ class DistTransport(Transport):
             )
         return region
 
-    def _connect(self, descriptor: PeerDescriptor) -> Peer:
-        return Peer(descriptor=descriptor, table=RegionTable(descriptor.regions))
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         device = "cpu" if self.device == HOST else f"cuda:{self.device}"

@@ -15,10 +15,7 @@ from typing import ClassVar
 from weightsync.transport._host import HostCopier, wait_futures
 from weightsync.transport.base import (
     HOST,
-    Peer,
-    PeerDescriptor,
     Region,
-    RegionTable,
     Transport,
     WriteBatch,
     WriteHandle,
@@ -70,8 +67,6 @@ class LocalTransport(Transport):
             )
         return region
 
-    def _connect(self, descriptor: PeerDescriptor) -> Peer:
-        return Peer(descriptor=descriptor, table=RegionTable(descriptor.regions))
 
     def _submit(self, batch: WriteBatch) -> LocalHandle:
         assert batch.blocks is not None

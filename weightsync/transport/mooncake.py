@@ -27,10 +27,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from weightsync.transport.base import (
-    Peer,
-    PeerDescriptor,
     Region,
-    RegionTable,
     Transport,
     WriteBatch,
     WriteHandle,
@@ -121,10 +118,6 @@ class MooncakeTransport(Transport):
             )
         return region
 
-    def _connect(self, descriptor: PeerDescriptor) -> Peer:
-        # The engine opens the peer's segment on the first transfer (P2P handshake), so there is
-        # nothing to open here; regions are checked on our side before any byte moves.
-        return Peer(descriptor=descriptor, table=RegionTable(descriptor.regions))
 
     def _submit(self, batch: WriteBatch) -> MooncakeHandle:
         src, dst, n = (col.tolist() for col in batch.runs.T)
