@@ -398,17 +398,9 @@ class RunSession:
 
     def _dest_bytes(self) -> dict[str, int]:
         """Bytes of each rollout rank's shard that come from global tensors (what p2p must move)."""
-        from weightsync.layout.box import box_volume
-        from weightsync.models.hf import DTYPE_BYTES
+        from weightsync.plan.api import shard_dest_bytes
 
-        out: dict[str, int] = {}
-        for d in range(self.cfg.rollout.world_size):
-            n = 0
-            for t in self.inputs.dest_layout(d):
-                if not t.derived:
-                    n += sum(box_volume(p.local_box) for p in t.pieces) * DTYPE_BYTES[t.dtype]
-            out[str(d)] = n
-        return out
+        return {str(d): shard_dest_bytes(self.inputs.dest_layout(d)) for d in range(self.cfg.rollout.world_size)}
 
     def _print_step(self, record: dict[str, Any]) -> None:
         val = record.get("validation", {})

@@ -11,7 +11,7 @@ Typical usage::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from weightsync.layout.box import LocalTensor, box_volume
@@ -103,14 +103,16 @@ def verify_plan(plan: Plan, inputs: PlanInputs, table: OpTable | None = None) ->
                           num_engines=inputs.rollout.num_engines, globals_=inputs.globals, coverage_ranks=coverage)
 
 
+def shard_dest_bytes(tensors: Iterable[LocalTensor]) -> int:
+    """Bytes of one rank's shard that come from global tensors (derived and padding excluded)."""
+    return sum(
+        sum(box_volume(p.global_box) for p in t.pieces) * DTYPE_BYTES[t.dtype] for t in tensors if not t.derived
+    )
+
+
 def dest_bytes(inputs: PlanInputs) -> int:
     """Bytes of all destination shards that come from global tensors (derived and padding excluded)."""
-    per_engine = 0
-    for tensors in inputs.engine_layouts:
-        for t in tensors:
-            if not t.derived:
-                per_engine += sum(box_volume(p.global_box) for p in t.pieces) * DTYPE_BYTES[t.dtype]
-    return per_engine * inputs.rollout.num_engines
+    return sum(shard_dest_bytes(tensors) for tensors in inputs.engine_layouts) * inputs.rollout.num_engines
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
