@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from weightsync.layout.box import Box, LocalTensor, box_shape
+from weightsync.layout.box import Box, LocalTensor, box_shape, box_slices
 from weightsync.models.hf import GlobalTensor
 from weightsync.models.spec import ModelSpec
 from weightsync.rollout.loader import write_global
@@ -31,9 +31,6 @@ from weightsync.rollout.params import ParamStore
 POOL_SIZE = 1 << 22
 _M32 = 0xFFFFFFFF
 
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +95,7 @@ def fill_params(data: GlobalData, layout: Sequence[LocalTensor], params: Mapping
     for t in layout:
         dst = params[t.name]
         for p in t.pieces:
-            region = dst[_slices(p.local_box)]
+            region = dst[box_slices(p.local_box)]
             region.copy_(data.box(p.global_name, p.global_box).reshape(region.shape))
             written += region.numel() * region.element_size()
     return written
@@ -113,7 +110,7 @@ def poison(store: ParamStore) -> None:
         dst = store[t.name]
         value = float("nan") if dst.is_floating_point() else -1
         for p in t.pieces:
-            dst[_slices(p.local_box)].fill_(value)
+            dst[box_slices(p.local_box)].fill_(value)
 
 
 def expected_store(data: GlobalData, store: ParamStore, spec: ModelSpec) -> ParamStore:

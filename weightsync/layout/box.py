@@ -31,6 +31,11 @@ def box_volume(box: Box) -> int:
     return n
 
 
+def box_slices(box: Box) -> tuple[slice, ...]:
+    """The box as an index into a tensor (``t[box_slices(box)]``)."""
+    return tuple(slice(a, b) for a, b in box)
+
+
 def box_intersect(x: Box, y: Box) -> Box | None:
     """The common region of two boxes of the same rank, or None when they do not meet."""
     out = []

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.layout.box import Box, LocalTensor, box_shape
+from weightsync.layout.box import LocalTensor, box_shape, box_slices
 from weightsync.plan.api import plan_source_layouts
 from weightsync.plan.inputs import PlanInputs
 from weightsync.plan.ops import CopyOp
@@ -56,9 +56,6 @@ class SimulationReport:
             raise AssertionError(f"simulation: {len(self.mismatches)} destination tensors differ:\n  {shown}")
 
 
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
 
 def random_globals(inputs: PlanInputs, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random values for every global tensor that has a source (scale tensors are derived)."""
@@ -78,7 +75,7 @@ def _fill(tensors: Sequence[LocalTensor], values: dict[str, torch.Tensor]) -> di
         buf = torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype])
         if not t.derived:
             for p in t.pieces:
-                buf[_slices(p.local_box)] = values[p.global_name][_slices(p.global_box)].reshape(box_shape(p.local_box))
+                buf[box_slices(p.local_box)] = values[p.global_name][box_slices(p.global_box)].reshape(box_shape(p.local_box))
         out[t.name] = buf
     return out
 
@@ -109,9 +106,9 @@ def _gather(inputs: PlanInputs, shards: list[dict[str, torch.Tensor]], gathered:
                 if p.global_name not in full:
                     full[p.global_name] = torch.zeros(g.shape, dtype=shards[rank][t.name].dtype)
                     seen[p.global_name] = torch.zeros(g.shape, dtype=torch.bool)
-                region = shards[rank][t.name][_slices(p.local_box)].reshape(box_shape(p.global_box))
-                full[p.global_name][_slices(p.global_box)] = region
-                seen[p.global_name][_slices(p.global_box)] = True
+                region = shards[rank][t.name][box_slices(p.local_box)].reshape(box_shape(p.global_box))
+                full[p.global_name][box_slices(p.global_box)] = region
+                seen[p.global_name][box_slices(p.global_box)] = True
     out = []
     for tensors in gathered:
         vals = {}
@@ -134,7 +131,7 @@ def _gather(inputs: PlanInputs, shards: list[dict[str, torch.Tensor]], gathered:
 
 def apply_op(op: CopyOp, src: torch.Tensor, dst: torch.Tensor, block: tuple[int, int] | None) -> None:
     """Execute one op: read ``src_box`` of ``src``, transform, write ``dst_box`` of ``dst``."""
-    region = src[_slices(op.src_box)]
+    region = src[box_slices(op.src_box)]
     if op.transform == "fp8_scale":
         assert block is not None
         wshape = box_shape(op.src_box)[-2:]
@@ -146,7 +143,7 @@ def apply_op(op: CopyOp, src: torch.Tensor, dst: torch.Tensor, block: tuple[int,
         value = region.to(dst.dtype)
     else:
         value = region
-    dst[_slices(op.dst_box)] = value.reshape(box_shape(op.dst_box))
+    dst[box_slices(op.dst_box)] = value.reshape(box_shape(op.dst_box))
 
 
 def simulate(inputs: PlanInputs, plan: Plan, *, seed: int = 0) -> SimulationReport:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.layout.box import Box
+from weightsync.layout.box import Box, box_slices
 from weightsync.models.checkpoint import HFCheckpoint, synthetic_hf_tensor
 from weightsync.models.hf import GlobalTensor, global_tensors
 from weightsync.models.spec import ModelSpec
@@ -42,9 +42,6 @@ _MAX_NAMES = 50
 class CheckpointError(ValueError):
     """A checkpoint that does not match the model: unknown, missing or mis-shaped tensors."""
 
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
 
 
 def _names(kind: str, names: list[str]) -> str:
@@ -127,7 +124,7 @@ def write_global(store: ParamStore, spec: ModelSpec, global_name: str, read: Cal
     scale_pieces = store.pieces_of(global_name + "_scale_inv")
     for k, (local_name, piece) in enumerate(pieces):
         dst = store[local_name]
-        region = dst[_slices(piece.local_box)]
+        region = dst[box_slices(piece.local_box)]
         src = read(piece.global_box).to(dst.device)
         if dst.dtype == FP8 and src.dtype != FP8:
             assert spec.fp8_block is not None, f"{local_name} is fp8 but the spec has no fp8 block"
@@ -135,7 +132,7 @@ def write_global(store: ParamStore, spec: ModelSpec, global_name: str, read: Cal
             region.copy_(q.view(region.shape))
             # The layout emits one scale piece per weight piece, in the same order.
             scale_name, scale_piece = scale_pieces[k]
-            scale_region = store[scale_name][_slices(scale_piece.local_box)]
+            scale_region = store[scale_name][box_slices(scale_piece.local_box)]
             scale_region.copy_(scale.view(scale_region.shape))
             written += scale_region.numel() * scale_region.element_size()
         else:
@@ -208,7 +205,7 @@ def load_dummy(store: ParamStore, spec: ModelSpec, seed: int = 0) -> LoadStats:
         if _scale_comes_with_weight(table[name], lambda n: table[n].dtype):
             continue
         full = synthetic_hf_tensor(spec, name, seed, device, table=table)
-        nbytes += write_global(store, spec, name, lambda box, t=full: t[_slices(box)])
+        nbytes += write_global(store, spec, name, lambda box, t=full: t[box_slices(box)])
     run_post_load(store, spec)
     return LoadStats(num_tensors=len(store.global_names()), nbytes=nbytes, seconds=time.perf_counter() - t0)
 

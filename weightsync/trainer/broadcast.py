@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.layout.box import Box, LocalTensor, Piece, box_intersect
+from weightsync.layout.box import LocalTensor, Piece, box_intersect, box_slices, box_volume
 from weightsync.models.spec import ModelSpec
 from weightsync.plan.broadcast import megatron_stage, stage_sources, wire_dtypes
 from weightsync.plan.inputs import PlanInputs
@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 Contribution = tuple[int, str, Piece]
 """``(trainer rank, its local tensor name, the piece it contributes)``."""
 
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
 
 
 def contributions(inputs: PlanInputs, source: int, names: set[str]) -> dict[str, list[Contribution]]:
@@ -67,17 +64,11 @@ def contributions(inputs: PlanInputs, source: int, names: set[str]) -> dict[str,
                                      f"{hit[0][2].global_box} of rank {hit[0][0]}")
     for name in names:
         g = inputs.globals[name]
-        got = sum(_vol(c[2].global_box) for c in taken.get(name, []))
+        got = sum(box_volume(c[2].global_box) for c in taken.get(name, []))
         if got != g.numel:
             raise ValueError(f"{name}: stage {stage} holds {got} of its {g.numel} elements")
     return dict(taken)
 
-
-def _vol(box: Box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
 
 
 class BroadcastSender:
@@ -130,7 +121,7 @@ class BroadcastSender:
                     incoming[r].append((name, piece))
         if self.rank != source:
             if mine:
-                flat = torch.cat([self.params[local][_slices(p.local_box)].reshape(-1) for _, local, p in mine])
+                flat = torch.cat([self.params[local][box_slices(p.local_box)].reshape(-1) for _, local, p in mine])
                 dist.send(flat.cpu() if flat.is_cuda else flat, dst=source)
             return {}
         full: dict[str, torch.Tensor] = {}
@@ -138,16 +129,16 @@ class BroadcastSender:
             g = self.inputs.globals[name]
             full[name] = torch.empty(g.shape, dtype=getattr(torch, g.dtype), device=self.device)
         for name, local, p in mine:
-            full[name][_slices(p.global_box)] = self.params[local][_slices(p.local_box)].reshape(
+            full[name][box_slices(p.global_box)] = self.params[local][box_slices(p.local_box)].reshape(
                 tuple(b - a for a, b in p.global_box))
         for r, items in sorted(incoming.items()):
             dtype = full[items[0][0]].dtype
-            flat = torch.empty(sum(_vol(p.global_box) for _, p in items), dtype=dtype)
+            flat = torch.empty(sum(box_volume(p.global_box) for _, p in items), dtype=dtype)
             dist.recv(flat, src=r)
             off = 0
             for name, p in items:
-                n = _vol(p.global_box)
-                full[name][_slices(p.global_box)] = flat[off:off + n].view(tuple(b - a for a, b in p.global_box))
+                n = box_volume(p.global_box)
+                full[name][box_slices(p.global_box)] = flat[off:off + n].view(tuple(b - a for a, b in p.global_box))
                 off += n
         return full
 

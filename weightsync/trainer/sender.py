@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weightsync.layout.box import Box, LocalTensor, box_shape, box_volume
+from weightsync.layout.box import LocalTensor, box_shape, box_slices, box_volume
 from weightsync.plan.ops import CopyOp, box_runs
 from weightsync.quant.fp8 import block_scale_inv, quantize_block_fp8
 from weightsync.transport.base import Peer, PeerDescriptor, Transport, WriteBatch, WriteHandle, deadline_after
@@ -150,9 +150,6 @@ def _pair(src: list[tuple[int, int]], dst: list[tuple[int, int]], src_base: int,
             do, dl = dst[j]
     return np.array(out, dtype=np.int64).reshape(-1, 3)
 
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
 
 
 class P2PSender:
@@ -302,7 +299,7 @@ class P2PSender:
         for s in bucket:
             op = s.op
             dp = self.dests[op.dst_rank].params[op.dst_param]
-            src = self.params[op.src_param][_slices(op.src_box)]
+            src = self.params[op.src_param][box_slices(op.src_box)]
             if op.transform == "cast":
                 out = src.to(dp.dtype)
             elif op.transform in ("fp8_quant", "fp8_scale"):

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from weightsync.layout.box import Box, LocalTensor, Piece, box_shape, box_volume, full_box
+from weightsync.layout.box import Box, LocalTensor, Piece, box_shape, box_slices, box_volume, full_box
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.parallel import TrainParallel
 from weightsync.models.checkpoint import HFCheckpoint
@@ -155,9 +155,6 @@ def _slabs(box: Box) -> Iterator[Box]:
         yield ((s, min(s + rows, b)), *box[1:])
 
 
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
 
 def update_pieces(tensor: LocalTensor, data: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
                   cfg: SyntheticUpdate, global_shapes: dict[str, tuple[int, ...]]) -> None:
@@ -167,7 +164,7 @@ def update_pieces(tensor: LocalTensor, data: torch.Tensor, m: torch.Tensor, v: t
             lbox = piece.local_of(gbox)
             g = pseudo_gradient(piece.global_name, global_shapes[piece.global_name], gbox, step, cfg.seed,
                                 data.device).reshape(box_shape(lbox))
-            region = _slices(lbox)
+            region = box_slices(lbox)
             adam_update(data[region], m[region], v[region], g, step, cfg)
 
 

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from weightsync.layout.box import Box, LocalTensor, box_intersect, box_shape
+from weightsync.layout.box import Box, LocalTensor, box_intersect, box_shape, box_slices
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.parallel import TrainParallel
 from weightsync.models.spec import ModelSpec
@@ -78,9 +78,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
 
 def assemble_box(tensor: LocalTensor, box: Box, read: ReadGlobal, device: str | torch.device = "cpu") -> torch.Tensor:
     """The region ``box`` of a local tensor, built from the global tensors its pieces name.
@@ -105,7 +102,7 @@ def assemble_box(tensor: LocalTensor, box: Box, read: ReadGlobal, device: str | 
         gbox = tuple((g0 + a - l0, g0 + b - l0) for (a, b), (g0, _), (l0, _) in
                      zip(inter[extra:], piece.global_box, piece.local_box[extra:], strict=True))
         dst = tuple((a - o, b - o) for (a, b), (o, _) in zip(inter, box, strict=True))
-        region = out[_slices(dst)]
+        region = out[box_slices(dst)]
         region.copy_(read(piece.global_name, gbox).reshape(region.shape))
     return out
 
@@ -113,8 +110,8 @@ def assemble_box(tensor: LocalTensor, box: Box, read: ReadGlobal, device: str | 
 def scatter_local(tensor: LocalTensor, data: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
     """Write the pieces of local tensor ``data`` into the global tensors of ``out`` (name -> tensor)."""
     for piece in tensor.pieces:
-        region = data[_slices(piece.local_box)]
-        dst = out[piece.global_name][_slices(piece.global_box)]
+        region = data[box_slices(piece.local_box)]
+        dst = out[piece.global_name][box_slices(piece.global_box)]
         dst.copy_(region.reshape(dst.shape))
 
 
@@ -385,7 +382,7 @@ def read_rank_tensors(ckpt_dir: str | Path, spec: ModelSpec, par: TrainParallel,
             if clipped is None:
                 continue
             offset, shape = clipped
-            view = dst[_slices(chunk.local_box)].view(chunk.chunk_shape)
+            view = dst[box_slices(chunk.local_box)].view(chunk.chunk_shape)
             view = view[tuple(slice(0, n) for n in shape)]
             requests.setdefault(chunk.key, []).append((offset, shape, _const(view)))
             dtypes[chunk.key] = dst.dtype
