@@ -82,10 +82,10 @@ def run_in_process(argv: Sequence[str], *, ckpt_dir: Path, log_dir: Path,
     import io
 
     from weightsync.cli import build_parser
+    from weightsync.cli.run import resolve
     from weightsync.launch.config import env_settings
-    from weightsync.launch.run import resolve
     from weightsync.launch.session import RunSession
-    from weightsync.trainer.prepare import ensure_prepared
+    from weightsync.sources.prepare import ensure_prepared
 
     args = build_parser().parse_args(["run", *argv])
     settings = env_settings({"CKPT_SAVE_DIR": str(ckpt_dir), "MILES_LOG_DIR": str(log_dir), **(env or {})})
@@ -140,10 +140,10 @@ def model_bytes(model: str, scale: str = "tiny") -> int:
     global tensors (fp8 weights at one byte per element plus their scales, tensors the engine
     keeps in float32 at four), without vocab padding and derived tensors."""
     from weightsync.layout.box import box_volume
-    from weightsync.layout.parallel import RolloutParallel
     from weightsync.layout.sglang import engine_layout
     from weightsync.models import get_model
     from weightsync.models.hf import DTYPE_BYTES
+    from weightsync.models.parallel import RolloutParallel
 
     tensors = engine_layout(get_model(model, scale), RolloutParallel(), 0)
     return sum(sum(box_volume(p.local_box) for p in t.pieces) * DTYPE_BYTES[t.dtype]

@@ -15,9 +15,9 @@ Global tensors (``FAKE_GLOBALS``):
 from __future__ import annotations
 
 from weightsync.layout.box import LocalTensor, Piece
-from weightsync.layout.parallel import RolloutParallel, TrainParallel
 from weightsync.models import get_model
 from weightsync.models.hf import GlobalTensor
+from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.plan.inputs import PlanInputs, build_inputs
 
 FAKE_GLOBALS = {

@@ -26,16 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from weightsync.cli import bench as bench_cli
 from weightsync.launch import bench
 from weightsync.launch.bench_data import GlobalData, compare, expected_store, fill_params, poison
 from weightsync.layout.megatron import trainer_layout
-from weightsync.layout.parallel import RolloutParallel, TrainParallel
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.models.hf import global_tensors
+from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.p2p import plan_p2p
-from weightsync.rollout.params import ParamStore
+from weightsync.sync.params import ParamStore
 
 REPO = Path(__file__).resolve().parent.parent
 FORBIDDEN = ("megatron", "mooncake", "fastapi", "pydantic", "httpx", "uvicorn", "xxhash")
@@ -155,7 +156,7 @@ def test_broadcast_skipped_when_a_group_shares_a_gpu():
 def test_cli_surface():
     """The options of ``weightsync bench`` (extend deliberately; the GPU command line uses them)."""
     p = argparse.ArgumentParser(add_help=False)
-    bench.add_arguments(p)
+    bench_cli.add_arguments(p)
     opts = sorted(o for a in p._actions for o in a.option_strings if o.startswith("--"))
     assert opts == [
         "--bucket-gb",

@@ -132,8 +132,8 @@ def test_engine_urls_set_the_engine_count(tmp_path: Path):
 
 def _resolve(argv: list[str], env: dict[str, str], tmp_path: Path) -> RunConfig:
     from weightsync.cli import build_parser
+    from weightsync.cli.run import resolve
     from weightsync.launch.config import env_settings
-    from weightsync.launch.run import resolve
 
     cfg = resolve(build_parser().parse_args(["run", *argv]), env_settings({"CKPT_SAVE_DIR": str(tmp_path), **env}))
     assert cfg is not None
@@ -149,8 +149,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def qwen_engine(e2e_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One running engine: Qwen3-4B tiny, TP 1, shm, loaded from the shared prepared checkpoint."""
-    from weightsync.launch.engine_client import EngineClient
-    from weightsync.trainer.prepare import ensure_prepared
+    from weightsync.sources.prepare import ensure_prepared
+    from weightsync.sync.engine_client import EngineClient
 
     hf_dir, _ = ensure_prepared("Qwen3-4B", scale="tiny", ckpt_dir=e2e_ckpt, progress=False)
     port = _free_port()
@@ -175,7 +175,7 @@ def qwen_engine(e2e_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _engine_state(url: str) -> tuple[str, dict[str, str]]:
-    from weightsync.launch.engine_client import EngineClient
+    from weightsync.sync.engine_client import EngineClient
 
     client = EngineClient(url)
     try:

@@ -34,9 +34,9 @@ from weightsync.layout.megatron import (
     trainer_layout,
 )
 from weightsync.layout.megatron_pieces import padded_vocab_size
-from weightsync.layout.parallel import TrainParallel
 from weightsync.models import get_model, list_models
 from weightsync.models.hf import global_tensors
+from weightsync.models.parallel import TrainParallel
 
 MODELS = list_models()
 MLA_MODELS = [m for m in MODELS if get_model(m, "tiny").is_mla]

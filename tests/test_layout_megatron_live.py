@@ -32,9 +32,9 @@ import pytest
 
 from weightsync.layout.megatron import stage_layers, train_coords, trainer_layout
 from weightsync.layout.megatron_ranks import DEFAULT_ORDER, ORDERS
-from weightsync.layout.parallel import TrainParallel
 from weightsync.models import get_model
 from weightsync.models.hf import global_tensors
+from weightsync.models.parallel import TrainParallel
 
 pytest.importorskip("megatron.core")
 

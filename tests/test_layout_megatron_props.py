@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from tests.test_layout_megatron import check_data_round_trip, check_local_tiling, check_replica_tiling
 from weightsync.layout.megatron import check_trainer_config, trainer_layout
-from weightsync.layout.parallel import TrainParallel
 from weightsync.models import get_model
+from weightsync.models.parallel import TrainParallel
 
 
 @st.composite

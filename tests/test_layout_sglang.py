@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from weightsync.layout.box import LocalTensor, box_shape
-from weightsync.layout.parallel import RolloutParallel
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.models.hf import global_tensors
+from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
 
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_layout_sglang import check_global_coverage, check_local_cover
-from weightsync.layout.parallel import RolloutParallel
 from weightsync.layout.sglang import engine_layout
+from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import Family, ModelSpec
 
 

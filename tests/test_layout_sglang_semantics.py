@@ -13,10 +13,10 @@ import time
 import pytest
 
 from weightsync.layout.box import LocalTensor
-from weightsync.layout.parallel import RolloutParallel
 from weightsync.layout.sglang import engine_coords, engine_layout, vocab_shard
 from weightsync.models import get_model, get_profile, list_profiles
 from weightsync.models.hf import global_tensors
+from weightsync.models.parallel import RolloutParallel
 
 
 def _by_name(tensors: list[LocalTensor]) -> dict[str, LocalTensor]:

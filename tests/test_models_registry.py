@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from weightsync.cli.models import model_sizes
 from weightsync.models import (
     Family,
     ModelSpec,
@@ -26,7 +27,6 @@ from weightsync.models import (
     parse_scale,
     scale_spec,
 )
-from weightsync.models.cli import model_sizes
 from weightsync.models.hf import global_tensors
 
 ALL = list_models()

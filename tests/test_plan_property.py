@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from weightsync.layout.megatron import trainer_layout
-from weightsync.layout.parallel import RolloutParallel, TrainParallel
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
+from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.plan.api import build_plan, dest_bytes, filter_ops, plan_for_rank, verify_plan
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.simulate import simulate

@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 
 from weightsync.layout.megatron import trainer_layout
-from weightsync.layout.parallel import RolloutParallel as R
-from weightsync.layout.parallel import TrainParallel as T
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
+from weightsync.models.parallel import RolloutParallel as R
+from weightsync.models.parallel import TrainParallel as T
 from weightsync.plan.api import build_plan, verify_plan
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.simulate import apply_op, simulate

@@ -13,9 +13,9 @@ import pytest
 
 from tests.plan_fakes import fake_inputs
 from weightsync.layout.megatron import trainer_layout
-from weightsync.layout.parallel import RolloutParallel, TrainParallel
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
+from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.plan.api import build_plan, verify_plan
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Plan

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.layout.parallel import Device
+from weightsync.models.parallel import Device
 from weightsync.transport import (
     HOST,
     PeerDescriptor,

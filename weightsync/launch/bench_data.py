@@ -25,8 +25,7 @@ import torch
 from weightsync.layout.box import Box, LocalTensor, box_shape, box_slices
 from weightsync.models.hf import GlobalTensor
 from weightsync.models.spec import ModelSpec
-from weightsync.rollout.loader import write_global
-from weightsync.rollout.params import ParamStore
+from weightsync.sync.params import ParamStore, write_global
 
 POOL_SIZE = 1 << 22
 _M32 = 0xFFFFFFFF
@@ -115,7 +114,7 @@ def poison(store: ParamStore) -> None:
 
 def expected_store(data: GlobalData, store: ParamStore, spec: ModelSpec) -> ParamStore:
     """A plain copy of ``store``'s layout holding what a complete update must leave in it
-    (the engine's own loading rule, :func:`weightsync.rollout.loader.write_global`)."""
+    (the engine's own loading rule, :func:`weightsync.engine.loader.write_global`)."""
     expected = ParamStore(store.layout, store.device)
     for name in expected.global_names():
         g = data.globals[name]

@@ -46,12 +46,12 @@ import torch.distributed as dist
 from weightsync.launch.bench_data import GlobalData, compare, expected_store, fill_params, poison
 from weightsync.layout.box import box_volume
 from weightsync.layout.megatron import trainer_layout
-from weightsync.layout.parallel import Device, RolloutParallel, TrainParallel
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.models.hf import DTYPE_BYTES
+from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
 from weightsync.plan.inputs import PlanInputs, build_inputs
-from weightsync.rollout.params import ParamStore
+from weightsync.sync.params import ParamStore
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ class BenchRank:
             self.store = ParamStore(layout, self.device, arena=_Block(self.source))
             self.out["param_bytes"] = fill_params(self.data, layout, self.params())
         else:
-            from weightsync.rollout.receiver import Receiver
+            from weightsync.sync.p2p_receiver import Receiver
 
             layout = list(self.inputs.dest_layout(self.local))
             self.receiver, self.store = Receiver.open(
@@ -293,7 +293,7 @@ class BenchRank:
         return dict(out)
 
     def build_sender(self, infos: dict[int, dict[str, Any]]) -> None:
-        from weightsync.trainer.sender import P2PSender, dest_rank_from_info
+        from weightsync.sync.p2p_sender import P2PSender, dest_rank_from_info
 
         t0 = time.perf_counter()
         needed = sorted({op.dst_rank for op in self.ops})
@@ -348,7 +348,7 @@ class BenchRank:
 
         Collective (every process calls it); engines get [].
         """
-        from weightsync.rollout.receiver import PARAMS_REGION
+        from weightsync.sync.p2p_receiver import PARAMS_REGION
         from weightsync.transport import PeerDescriptor
 
         mine = self.bytes_by_dest() if self.is_trainer else {}
@@ -439,7 +439,7 @@ class BenchRank:
 
     def broadcast(self) -> dict[str, Any]:
         from weightsync.plan.broadcast import plan_broadcast
-        from weightsync.trainer.broadcast import announcement
+        from weightsync.sync.broadcast_sender import announcement
 
         buckets = plan_broadcast(self.inputs, bucket_bytes=self.cfg.bucket_bytes, dst_rank=0).buckets
         names = {s: f"weightsync_bench_src{s}" for s in self.cfg.group_ports}
@@ -474,7 +474,7 @@ class BenchRank:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         world = 1 + self.cfg.rollout.world_size
         if self.is_trainer:
-            from weightsync.trainer.broadcast import BroadcastSender
+            from weightsync.sync.broadcast_sender import BroadcastSender
 
             group = {
                 "master_address": "127.0.0.1",
@@ -487,7 +487,7 @@ class BenchRank:
             return BroadcastSender(
                 self.spec, self.inputs, self.local, layout, self.params(), group=group, device=self.cfg.device
             )
-        from weightsync.rollout.broadcast import BroadcastReceiver
+        from weightsync.sync.broadcast_receiver import BroadcastReceiver
 
         assert self.store is not None
         tp = self.cfg.rollout.tp

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightsync.layout.parallel import RolloutParallel, TrainParallel
+from weightsync.models.parallel import RolloutParallel, TrainParallel
 
 DEFAULT_CKPT_DIR = "/root/multinode"
 """The reference system's default checkpoint directory."""

@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from weightsync.launch.engine_client import EngineClient, EngineError
 from weightsync.launch.trainer_worker import Cmd, WorkerConfig, worker_main
+from weightsync.sync.engine_client import EngineClient, EngineError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.launch.config import RunConfig
-from weightsync.launch.engine_client import EngineError
 from weightsync.launch.procs import LocalProcs, free_port, serve_argv
 from weightsync.launch.report import plot_phases, step_table, summary, write_results
 from weightsync.launch.trainer_worker import Cmd, WorkerConfig
@@ -36,7 +35,8 @@ from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.plan.inputs import build_inputs
-from weightsync.trainer.sender import dest_rank_from_info
+from weightsync.sync.engine_client import EngineError
+from weightsync.sync.p2p_sender import dest_rank_from_info
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class RunSession:
         }
 
     def _broadcast_all(self) -> tuple[float, float, int, dict[int, int]]:
-        from weightsync.trainer.broadcast import announcement
+        from weightsync.sync.broadcast_sender import announcement
 
         pack = wire = 0.0
         nbytes = 0
@@ -337,7 +337,7 @@ class RunSession:
         independently of the transfer (the synthetic trainer's rule is a function of global
         coordinates)."""
         from weightsync.models.checkpoint import read_hf_checkpoint
-        from weightsync.trainer.synthetic import SyntheticUpdate, full_tensors_at_step
+        from weightsync.sources.synthetic import SyntheticUpdate, full_tensors_at_step
 
         if self._initial is None:
             self._initial = read_hf_checkpoint(self.hf_dir)[0]
@@ -365,7 +365,7 @@ class RunSession:
         return {"validation": out, "logprob_max_abs_diff": lp}
 
     def _logprob_parity(self, read: Any) -> float:
-        from weightsync.rollout.reference import reference_prompt_logprobs
+        from weightsync.engine.reference import reference_prompt_logprobs
 
         body = {"text": list(PARITY_PROMPTS), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_logprob": True, "logprob_start_len": 0}

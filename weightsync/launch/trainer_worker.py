@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from weightsync.layout.box import LocalTensor
 from weightsync.layout.megatron import trainer_layout
-from weightsync.layout.parallel import RolloutParallel, TrainParallel
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
+from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.plan.inputs import PlanInputs, build_inputs
 
@@ -74,7 +74,7 @@ class Worker:
     """The state of one trainer rank between commands."""
 
     def __init__(self, rank: int, cfg: WorkerConfig) -> None:
-        from weightsync.trainer.synthetic import SyntheticTrainer
+        from weightsync.sources.synthetic import SyntheticTrainer
 
         self.rank = rank
         self.cfg = cfg
@@ -109,7 +109,7 @@ class Worker:
 
     def setup_p2p(self, dests_json: dict[int, dict[str, Any]]) -> dict[str, Any]:
         from weightsync.plan.p2p import plan_p2p_for_rank
-        from weightsync.trainer.sender import P2PSender, dest_rank_from_info
+        from weightsync.sync.p2p_sender import P2PSender, dest_rank_from_info
 
         t0 = time.perf_counter()
         plan = plan_p2p_for_rank(self.inputs, src_rank=self.rank)
@@ -131,7 +131,7 @@ class Worker:
                 "buckets": self.sender.num_buckets}
 
     def setup_broadcast(self, group: dict[str, Any]) -> dict[str, Any]:
-        from weightsync.trainer.broadcast import BroadcastSender
+        from weightsync.sync.broadcast_sender import BroadcastSender
 
         self.bcast = BroadcastSender(self.spec, self.inputs, self.rank, self.layout, self.trainer.params,
                                      group=group, device=self.cfg.device)

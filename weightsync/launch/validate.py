@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from weightsync.layout.box import Box
-from weightsync.layout.parallel import RolloutParallel
 from weightsync.layout.sglang import engine_layout
 from weightsync.models.hf import global_tensors
+from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
 
 ReadGlobal = Callable[[str], torch.Tensor]
@@ -43,9 +43,9 @@ def expected_checksums(spec: ModelSpec, rollout: RolloutParallel, rank: int, rea
     Returns:
         ``{param name: hex digest}`` for every parameter of the rank (derived ones included).
     """
-    from weightsync.rollout.checker import WeightChecker
-    from weightsync.rollout.loader import run_post_load, write_global
-    from weightsync.rollout.params import ParamStore
+    from weightsync.engine.checker import WeightChecker
+    from weightsync.engine.loader import run_post_load
+    from weightsync.sync.params import ParamStore, write_global
 
     store = ParamStore(engine_layout(spec, rollout, rank), device=torch.device("cpu"))
     try:

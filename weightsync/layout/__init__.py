@@ -13,6 +13,6 @@ Public entry points (implemented in :mod:`weightsync.layout.megatron` and
 """
 
 from weightsync.layout.box import Box, LocalTensor, Piece
-from weightsync.layout.parallel import Device, RolloutParallel, TrainParallel, default_placement
+from weightsync.models.parallel import Device, RolloutParallel, TrainParallel, default_placement
 
 __all__ = ["Box", "Device", "LocalTensor", "Piece", "RolloutParallel", "TrainParallel", "default_placement"]

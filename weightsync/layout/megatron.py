@@ -52,8 +52,8 @@ import functools
 from weightsync.layout import megatron_pieces as mp
 from weightsync.layout.box import LocalTensor, Piece
 from weightsync.layout.megatron_ranks import DEFAULT_ORDER, TrainCoords, stage_layers, train_coords
-from weightsync.layout.parallel import TrainParallel
 from weightsync.models.hf import attention_tensors, mlp_tensors
+from weightsync.models.parallel import TrainParallel
 from weightsync.models.spec import ModelSpec
 
 __all__ = ["EXPERT_NAMINGS", "MLA_DOWN_PROJ", "TrainCoords", "check_trainer_config", "stage_layers", "train_coords",

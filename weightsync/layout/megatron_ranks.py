@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from weightsync.layout.parallel import TrainParallel
+from weightsync.models.parallel import TrainParallel
 from weightsync.models.spec import ModelSpec
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"

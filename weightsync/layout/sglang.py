@@ -49,7 +49,6 @@ from __future__ import annotations
 import functools
 
 from weightsync.layout.box import LocalTensor
-from weightsync.layout.parallel import RolloutParallel
 from weightsync.layout.sglang_coords import (
     VOCAB_PADDING,
     EngineCoords,
@@ -65,6 +64,7 @@ from weightsync.layout.sglang_parts import (
     dense_mlp_split,
     kv_head_range,
 )
+from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
 
 __all__ = [

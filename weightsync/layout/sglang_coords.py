@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync.layout.parallel import RolloutParallel
+from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
 
 VOCAB_PADDING = 64

@@ -36,9 +36,9 @@ import functools
 from dataclasses import dataclass
 
 from weightsync.layout.box import Box, LocalTensor, Piece, full_box
-from weightsync.layout.parallel import RolloutParallel
 from weightsync.layout.sglang_coords import EngineCoords, VocabShard
 from weightsync.models.hf import is_fp8_linear
+from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import Family, ModelSpec
 
 FP8 = "float8_e4m3fn"

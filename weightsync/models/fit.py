@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync.layout.parallel import RolloutParallel, TrainParallel
+from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.models.profiles import get_profile
 from weightsync.models.registry import get_model
 

@@ -16,7 +16,7 @@ down projections whole on every TP rank (``TrainParallel.mla_down_proj_replicate
 
 from __future__ import annotations
 
-from weightsync.layout.parallel import GPUS_PER_NODE, RolloutParallel, TrainParallel
+from weightsync.models.parallel import GPUS_PER_NODE, RolloutParallel, TrainParallel
 from weightsync.models.profiles_base import RunProfile
 
 REFERENCE = "radixark/miles@31f1ca9 examples/infra_features/p2p_weight_transfer/run.py"

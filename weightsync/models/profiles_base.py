@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync.layout.parallel import GPUS_PER_NODE, RolloutParallel, TrainParallel
+from weightsync.models.parallel import GPUS_PER_NODE, RolloutParallel, TrainParallel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,7 +15,7 @@ Modules: :mod:`~weightsync.plan.ops` (CopyOp, byte runs, coalescing), :mod:`~wei
 and :mod:`~weightsync.plan.region_table` (cutting destination pieces along source pieces),
 :mod:`~weightsync.plan.p2p` and :mod:`~weightsync.plan.broadcast` (the two modes),
 :mod:`~weightsync.plan.verify`, :mod:`~weightsync.plan.cost`, :mod:`~weightsync.plan.serialize`,
-:mod:`~weightsync.plan.simulate` (imports torch; not imported here), :mod:`~weightsync.plan.cli`.
+:mod:`~weightsync.plan.simulate` (imports torch; not imported here), :mod:`~weightsync.cli.plan`.
 """
 
 from weightsync.plan.api import (

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from weightsync.layout.box import LocalTensor
-from weightsync.layout.parallel import Device, RolloutParallel, TrainParallel, default_placement
 from weightsync.models.hf import GlobalTensor, global_tensors
+from weightsync.models.parallel import Device, RolloutParallel, TrainParallel, default_placement
 from weightsync.models.spec import ModelSpec
 from weightsync.plan.util import paused_gc
 

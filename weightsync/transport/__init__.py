@@ -117,7 +117,7 @@ def available_transports() -> list[TransportKind]:
 
 
 class DeviceLike(Protocol):
-    """Where a rank runs (``weightsync.layout.parallel.Device`` fits): node and GPU/CPU-slot index."""
+    """Where a rank runs (``weightsync.models.parallel.Device`` fits): node and GPU/CPU-slot index."""
 
     node: int
     gpu: int

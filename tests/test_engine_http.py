@@ -1,0 +1,338 @@
+"""Contract of the HTTP API (in-process app over a one-rank engine): sglang's routes and shapes,
+bad input -> 400 with a message while the server keeps serving, the state machine (queued while
+paused/updating, 409 for an update while generating, dirty weights never served), the checker
+cycle over HTTP, and refusal of mismatched checkpoints with their tensor names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from tests.engine_helpers import one_torch_thread, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
+from weightsync.engine.control import Driver, Op
+from weightsync.engine.engine import Engine
+from weightsync.engine.http_api import ROUTES, ServerContext, build_app
+from weightsync.engine.scheduler import Scheduler
+from weightsync.engine.tokenizer import ByteTokenizer
+from weightsync.engine.tp import EngineGroups
+from weightsync.models.checkpoint import HFCheckpoint, hf_config_dict, write_hf_checkpoint
+from weightsync.models.parallel import RolloutParallel
+from weightsync.transport.group import new_weight_update_group
+
+MODEL = "Qwen3-30B-A3B"
+LONG = {"max_new_tokens": 600, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("http")
+    write_tiny_checkpoint(MODEL, path)
+    return str(path)
+
+
+@pytest.fixture
+def client(ckpt: str) -> Iterator[TestClient]:
+    spec = tiny(MODEL)
+    engine = Engine.build(spec, EngineGroups.single(), device=torch.device("cpu"))
+    engine.load_checkpoint(ckpt)
+    driver = Driver(engine)
+    sched = Scheduler(driver, transfer_infos=driver.run(Op.TRANSFER_INFO), weight_version="v0")
+    sched.start()
+    app = build_app(
+        ServerContext(
+            scheduler=sched,
+            tokenizer=ByteTokenizer(spec.vocab_size),
+            par=RolloutParallel(),
+            server_info={"model": MODEL, "model_path": ckpt},
+        )
+    )
+    with TestClient(app) as c:
+        yield c
+    sched.stop()
+    engine.close()
+
+
+def _gen(c: TestClient, **body: Any) -> Any:
+    return c.post(
+        "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}, **body}
+    )
+
+
+def _wait_running(c: TestClient, timeout: float = 30.0) -> None:
+    t0 = time.monotonic()
+    while not c.get("/server_info").json()["batch_running"]:
+        assert time.monotonic() - t0 < timeout, "the long request never started"
+        time.sleep(0.01)
+
+
+def _background(c: TestClient, body: dict[str, Any]) -> tuple[ThreadPoolExecutor, Future]:
+    pool = ThreadPoolExecutor(1)
+    return pool, pool.submit(c.post, "/generate", json=body)
+
+
+def test_routes_are_sglang_names(client: TestClient) -> None:
+    """Public surface freeze: exactly these routes (sglang's names), nothing added silently."""
+    served = {r.path for r in client.app.routes if not r.path.startswith(("/docs", "/redoc", "/openapi"))}
+    assert served == set(ROUTES)
+
+
+def test_generate_shapes_and_version(client: TestClient) -> None:
+    r = _gen(client, return_logprob=True, logprob_start_len=0)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    meta = body["meta_info"]
+    assert len(body["output_ids"]) == 3
+    assert isinstance(body["text"], str)
+    assert meta["weight_version"] == "v0"
+    assert meta["prompt_tokens"] == 3
+    assert meta["completion_tokens"] == 3
+    assert meta["finish_reason"] == {"type": "length", "length": 3}
+    assert meta["input_token_logprobs"][0] == [None, 1, None]
+    assert len(meta["input_token_logprobs"]) == 3
+    assert [row[1] for row in meta["output_token_logprobs"]] == body["output_ids"]
+    batch = client.post(
+        "/generate", json={"text": ["ab", "cde"], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]}
+    )
+    assert batch.status_code == 200
+    assert [len(x["output_ids"]) for x in batch.json()] == [1, 2]
+    assert client.post("/update_weight_version", json={"new_version": "v7"}).json()["new_version"] == "v7"
+    assert _gen(client).json()["meta_info"]["weight_version"] == "v7"
+    assert client.get("/get_weight_version").json() == {"weight_version": "v7"}
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        pytest.param(
+            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens", id="wrong-type"
+        ),
+        pytest.param(
+            {"input_ids": [1, 2], "sampling_params": {"temperature": -1.0}}, "temperature", id="negative-temp"
+        ),
+        pytest.param({"input_ids": [1, 2], "sampling_params": {"top_p": 0.0}}, "top_p", id="top-p-zero"),
+        pytest.param({"input_ids": [1, 999]}, "outside the vocab", id="token-out-of-vocab"),
+        pytest.param(
+            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}}, "context length", id="too-long"
+        ),
+        pytest.param({"input_ids": [1, 2], "text": "x"}, "exactly one", id="text-and-ids"),
+        pytest.param({}, "exactly one", id="no-prompt"),
+        pytest.param({"input_ids": []}, "empty", id="empty-prompt"),
+        pytest.param({"input_ids": [1, 2], "bogus": 1}, "bogus", id="unknown-field"),
+        pytest.param({"input_ids": [1, 2], "stream": True}, "stream", id="stream"),
+        pytest.param({"input_ids": [[1], [2]], "rid": ["a"]}, "rid", id="batch-mismatch"),
+        pytest.param(
+            {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2},
+            "logprob_start_len",
+            id="logprob-start-too-far",
+        ),
+    ],
+)
+def test_bad_generate_input_is_400_and_server_keeps_serving(
+    client: TestClient, body: dict[str, Any], needle: str
+) -> None:
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["object"] == "error"
+    assert needle in r.json()["message"]
+    assert _gen(client).status_code == 200
+
+
+def test_other_bad_requests(client: TestClient) -> None:
+    r = client.post("/generate", content=b'{"input_ids": [1,', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert "json" in r.json()["message"].lower()
+    assert client.get("/parallelism_config", params={"rank": 3}).status_code == 400
+    assert client.get("/get_remote_instance_transfer_engine_info", params={"rank": -1}).status_code == 400
+    assert client.post("/weights_checker", json={"action": "bogus"}).status_code == 400
+    assert client.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
+    assert (
+        client.post(
+            "/update_weights_from_distributed", json={"names": ["nope"], "dtypes": ["bfloat16"], "shapes": [[1]]}
+        ).status_code
+        == 400
+    )
+    assert client.post("/destroy_weights_update_group", json={"group_name": "none"}).status_code == 400
+    assert _gen(client).status_code == 200
+
+
+def test_parallelism_and_transfer_info(client: TestClient) -> None:
+    par = client.get("/parallelism_config", params={"rank": 0}).json()
+    assert par["tp_size"] == 1
+    assert par["attn_tp_size"] == 1
+    assert par["ep_size"] == 1
+    assert par["global_rank"] == 0
+    info = client.get("/get_remote_instance_transfer_engine_info", params={"rank": 0}).json()
+    session, weights = info["remote_instance_transfer_engine_info"]
+    assert session.startswith("none://")
+    assert info["transport_descriptor"] is None
+    ptr, numel, esize = weights["model.layers.0.mlp.experts.w13_weight"]
+    spec = tiny(MODEL)
+    assert numel == spec.num_experts * 2 * spec.moe_intermediate_size * spec.hidden_size
+    assert esize == 2
+    assert ptr > 0
+
+
+def test_update_while_generating_is_409_and_pause_abort_stops_it(client: TestClient, ckpt: str) -> None:
+    pool, running = _background(client, {"input_ids": [1, 2, 3], "sampling_params": LONG})
+    _wait_running(client)
+    for path, body in [
+        ("/begin_weight_update", None),
+        ("/update_weights_from_disk", {"model_path": ckpt}),
+        ("/weights_checker", {"action": "reset_tensors"}),
+    ]:
+        r = client.post(path, json=body)
+        assert r.status_code == 409, (path, r.text)
+        assert "pause_generation" in r.json()["message"]
+    assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+    out = running.result(timeout=60).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 600
+    assert client.post("/begin_weight_update").status_code == 200
+    assert client.post("/end_weight_update").status_code == 200
+    assert client.post("/continue_generation").status_code == 200
+    pool.shutdown()
+
+
+def test_pause_retract_requeues_and_paused_requests_queue(client: TestClient) -> None:
+    pool, running = _background(client, {"input_ids": [4, 5], "sampling_params": {**LONG, "max_new_tokens": 300}})
+    _wait_running(client)
+    assert client.post("/pause_generation", json={"mode": "retract"}).json()["state"] == "paused"
+    time.sleep(0.2)
+    assert not running.done()
+    info = client.get("/server_info").json()
+    assert info["state"] == "paused"
+    assert info["num_queued"] == 1
+    assert not info["batch_running"]
+    assert client.post("/continue_generation").status_code == 200
+    out = running.result(timeout=120).json()
+    assert len(out["output_ids"]) == 300
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    pool.shutdown()
+
+
+def test_update_states_and_dirty_weights_are_never_served(client: TestClient, ckpt: str) -> None:
+    assert client.post("/end_weight_update").status_code == 409
+    assert client.post("/begin_weight_update").status_code == 200
+    assert client.post("/begin_weight_update").status_code == 409
+    pool, queued = _background(client, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+    time.sleep(0.3)
+    assert not queued.done(), "generation must wait while updating"
+    assert client.post("/continue_generation").status_code == 409
+    r = client.post("/end_weight_update").json()
+    assert r["success"]
+    assert r["post_load_seconds"] >= 0
+    assert queued.result(timeout=60).status_code == 200
+    # reset_tensors makes the weights dirty: continue is refused until an update completes.
+    assert client.post("/pause_generation").status_code == 200
+    assert client.post("/weights_checker", json={"action": "snapshot"}).json()["success"]
+    assert client.post("/weights_checker", json={"action": "reset_tensors"}).status_code == 200
+    assert client.post("/continue_generation").status_code == 409
+    compare = client.post("/weights_checker", json={"action": "compare"})
+    assert compare.status_code == 400
+    assert not compare.json()["success"]
+    upd = client.post("/update_weights_from_disk", json={"model_path": ckpt, "weight_version": "v2"})
+    assert upd.status_code == 200, upd.text
+    assert upd.json()["success"]
+    ok = client.post("/weights_checker", json={"action": "compare"}).json()
+    assert ok["success"]
+    assert ok["message"] == "All weights equal."
+    assert ok["ranks"][0]["mismatches"] == []
+    assert client.post("/continue_generation").status_code == 200
+    assert _gen(client).json()["meta_info"]["weight_version"] == "v2"
+    pool.shutdown()
+
+
+def test_mismatched_checkpoint_is_refused_with_names(client: TestClient, tmp_path: Path) -> None:
+    spec = tiny(MODEL)
+    tensors = write_tiny_checkpoint(MODEL, tmp_path / "good")
+    del tensors["model.layers.1.mlp.gate.weight"]
+    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    tensors["model.bogus.weight"] = torch.zeros(2)
+    write_hf_checkpoint(tmp_path / "bad", tensors, hf_config_dict(spec))
+    before = client.get("/server_info").json()
+    r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "bad")})
+    assert r.status_code == 400
+    msg = r.json()["message"]
+    for needle in (
+        "model.bogus.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "unknown",
+        "missing",
+        "mis-shaped",
+    ):
+        assert needle in msg
+    after = client.get("/server_info").json()
+    assert after["state"] == before["state"]
+    assert not after["weights_dirty"]
+    assert _gen(client).status_code == 200
+
+
+def test_broadcast_update_over_http(client: TestClient, ckpt: str, free_port: int) -> None:
+    """init_weights_update_group (the trainer thread is group rank 0), reset, broadcast every
+    checkpoint tensor, compare: equal; the update set the weight version; destroy the group."""
+    with HFCheckpoint(ckpt) as c:
+        tensors = {n: c.get(n) for n in c.names()}
+
+    def trainer() -> None:
+        pg = new_weight_update_group(
+            master_address="127.0.0.1", master_port=free_port, rank=0, world_size=2, group_name="g", backend="gloo"
+        )
+        for t in tensors.values():
+            pg.broadcast(t.contiguous(), 0).wait()
+
+    pool = ThreadPoolExecutor(1)
+    sender = pool.submit(trainer)
+    init = client.post(
+        "/init_weights_update_group",
+        json={
+            "master_address": "127.0.0.1",
+            "master_port": free_port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "g",
+            "backend": "gloo",
+        },
+    )
+    assert init.status_code == 200, init.text
+    assert init.json()["success"]
+    assert client.post("/pause_generation").status_code == 200
+    assert client.post("/weights_checker", json={"action": "snapshot"}).status_code == 200
+    assert client.post("/weights_checker", json={"action": "reset_tensors"}).status_code == 200
+    body = {
+        "names": list(tensors),
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "group_name": "g",
+        "weight_version": "step-1",
+    }
+    upd = client.post("/update_weights_from_distributed", json=body)
+    assert upd.status_code == 200, upd.text
+    assert upd.json()["success"]
+    sender.result(timeout=60)
+    assert client.post("/weights_checker", json={"action": "compare"}).json()["success"]
+    assert client.post("/continue_generation").status_code == 200
+    assert _gen(client).json()["meta_info"]["weight_version"] == "step-1"
+    assert client.post("/destroy_weights_update_group", json={"group_name": "g"}).json()["success"]
+    pool.shutdown()
+
+
+def test_weights_checker_rank_view(client: TestClient) -> None:
+    """``rank`` narrows the answer to one rank and lifts its fields to the top level; compare
+    always carries ``equal`` and the rank-tagged ``mismatches``."""
+    one = client.post("/weights_checker", json={"action": "checksum", "rank": 0}).json()
+    assert [r["rank"] for r in one["ranks"]] == [0]
+    assert "model.layers.0.mlp.experts.w13_weight" in one["checksums"]
+    assert client.post("/weights_checker", json={"action": "snapshot"}).status_code == 200
+    same = client.post("/weights_checker", json={"action": "compare", "rank": 0}).json()
+    assert same["equal"]
+    assert same["mismatches"] == []
+    assert client.post("/weights_checker", json={"action": "checksum", "rank": 1}).status_code == 400

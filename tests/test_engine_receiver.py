@@ -1,0 +1,50 @@
+"""Contract of the engine's p2p receiving end: with the ``shm`` transport every parameter lives
+inside the one registered region ``"params"`` of the published descriptor, and a writer on this
+host that connects with that descriptor writes straight into the engine's parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine_helpers import one_torch_thread, tiny  # noqa: F401 -- autouse fixture
+from weightsync import transport
+from weightsync.layout.sglang import engine_layout
+from weightsync.models.parallel import RolloutParallel
+from weightsync.sync.p2p_receiver import PARAMS_REGION, Receiver
+
+
+def test_shm_receiver_publishes_one_region_and_takes_writes() -> None:
+    layout = engine_layout(tiny("Kimi-K2"), RolloutParallel(), 0)
+    receiver, store = Receiver.open("shm", layout, device=torch.device("cpu"), rank=0)
+    writer = transport.make_transport("shm")
+    try:
+        desc = transport.PeerDescriptor.from_json(receiver.descriptor())
+        assert desc.kind == "shm"
+        assert desc.session_id == receiver.session_id
+        region = desc.region(PARAMS_REGION)
+        for name, (ptr, numel, esize) in store.transfer_info().items():
+            assert region.addr <= ptr, name
+            assert ptr + numel * esize <= region.end, name
+        assert all(torch.count_nonzero(t.view(torch.uint8)) == 0 for _, t in store.items()), "parameters start zeroed"
+        name = "model.layers.1.mlp.experts.w2_weight"
+        dst = store[name]
+        src = torch.randn(dst.shape).to(dst.dtype)
+        writer.register_tensor("staging", src)
+        peer = writer.connect(desc)
+        handle = writer.write(peer, [(src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size())])
+        writer.wait(handle, transport.deadline_after(30.0))
+        assert torch.equal(dst, src)
+    finally:
+        writer.close()
+        store.close()
+        receiver.close()
+
+
+def test_unsuitable_transports_are_refused() -> None:
+    layout = engine_layout(tiny("Qwen3-4B"), RolloutParallel(), 0)
+    with pytest.raises(ValueError, match="receives through one of"):
+        Receiver.open("dist", layout, device=torch.device("cpu"), rank=0)
+    with pytest.raises(ValueError, match="needs a CUDA engine"):
+        Receiver.open("cuda_ipc", layout, device=torch.device("cpu"), rank=0)

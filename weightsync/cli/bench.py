@@ -1,0 +1,74 @@
+"""``weightsync bench MODEL``: p2p vs broadcast vs the link's own copy rate, measured in one run
+(see :mod:`weightsync.launch.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from weightsync.launch.bench import build_config, format_table, run_processes, summarize
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="registry model name (weightsync list)")
+    p.add_argument("--scale", default="tiny", help="full | layers=N | tiny (default tiny)")
+    p.add_argument("--train", default="tp=2", help="trainer parallel sizes: tp=..,pp=..,ep=..,etp=..,world=..")
+    p.add_argument("--rollout", default="tp=2", help="engine parallel sizes: tp=..,ep=..,dp=..,engines=..")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--mode", choices=("p2p", "broadcast", "both"), default="both")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, after one warm-up run")
+    p.add_argument(
+        "--placement",
+        choices=("split", "colocated"),
+        default="split",
+        help="cuda: split = every rank on a GPU of its own (trainers first); colocated = "
+        "trainer rank i and rollout rank i share GPU i",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "cuda_ipc"),
+        default="auto",
+        help="p2p transport (auto: shm on cpu, cuda_ipc on cuda)",
+    )
+    p.add_argument("--bucket-gb", type=float, default=1.0, help="staging / broadcast bucket size in GB")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck benchmark is stopped")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg, notes = build_config(args)
+    except ValueError as exc:
+        print(f"weightsync bench: {exc}", file=sys.stderr)
+        return 2
+    modes = "+".join(cfg.modes)
+    print(
+        f"weightsync bench {cfg.model} {cfg.scale}: train {args.train} ({cfg.train.world_size} ranks) -> rollout "
+        f"{args.rollout} ({cfg.rollout.world_size} ranks), {cfg.device}/{cfg.transport}, modes {modes}, "
+        f"{cfg.repeats} timed runs after a warm-up",
+        flush=True,
+    )
+    for n in notes:
+        print(f"note: {n}", flush=True)
+    t0 = time.perf_counter()
+    results = run_processes(cfg)
+    summary = summarize(cfg, results, notes)
+    summary["wall_s"] = time.perf_counter() - t0
+    print(format_table(summary), flush=True)
+    line = json.dumps(summary, sort_keys=True)
+    print("BENCH_JSON " + line, flush=True)
+    if args.out:
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(line + "\n")
+    if not summary["verified"]:
+        print("weightsync bench: an engine rank's parameters differ from the expected values", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,65 @@
+"""``weightsync prepare MODEL``: write the HF checkpoint, the Megatron torch_dist shards and the
+prompt data (see :mod:`weightsync.sources.prepare` and docs/trainer.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from weightsync.sources.prepare import PrepareConfig, _profile_mla_rep, parse_train, prepare
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``weightsync prepare`` arguments."""
+    parser.add_argument("model", help="registry model name (see `weightsync list`)")
+    parser.add_argument("--ckpt-dir", type=Path, default=None,
+                        help="output directory (default: $CKPT_SAVE_DIR, else /root/multinode)")
+    parser.add_argument("--hf-checkpoint", type=Path, default=None,
+                        help="use this HF safetensors directory instead of a synthetic checkpoint")
+    parser.add_argument("--scale", default=None,
+                        help="full, tiny, or layers=N (default: full when this machine has the profile's GPUs, "
+                             "else tiny -- the embedded default, with its trainer layout)")
+    parser.add_argument("--download-only", action="store_true",
+                        help="only the HF checkpoint and the prompt data (no torch_dist conversion)")
+    parser.add_argument("--prompt-data", type=Path, default=None,
+                        help="prompt file (.jsonl with prompt/answer) instead of the bundled math prompts")
+    parser.add_argument("--train", default=None,
+                        help="parallel config of the torch_dist shards: tp, pp, cp, ep, etp, world (or dp), last "
+                             "(last PP stage's layers), mla_rep (1: MLA down projections whole on every TP rank, as "
+                             "Megatron's TE spec; 0: split over TP, as its local spec; default: the run profile's), "
+                             "e.g. tp=2,ep=2 (default: the run profile when it fits the scale)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of a synthetic HF checkpoint (default 0)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``weightsync prepare``; 0 on success, 2 on bad input (the message says what is wrong)."""
+    try:
+        ckpt_dir = args.ckpt_dir
+        if ckpt_dir is None:
+            # The CLI layer resolves the environment through the launcher's single reader.
+            from weightsync.launch.config import env_settings
+
+            ckpt_dir = env_settings().ckpt_dir
+        scale, train = args.scale, parse_train(args.train, mla_down_proj_replicated=_profile_mla_rep(args.model)) \
+            if args.train else None
+        if scale is None:
+            from weightsync.models.fit import cuda_device_count, fit_profile
+
+            fit = fit_profile(args.model, cuda_device_count())
+            if fit.note:
+                print(fit.note)
+            scale, train = fit.scale, train or fit.train
+        cfg = PrepareConfig(model=args.model, scale=scale, ckpt_dir=Path(ckpt_dir),
+                            hf_checkpoint=args.hf_checkpoint, download_only=args.download_only,
+                            prompt_data=args.prompt_data, train=train,
+                            seed=args.seed, progress=not args.no_progress)
+        result = prepare(cfg)
+    except (ValueError, FileExistsError) as exc:
+        print(f"weightsync prepare: {exc}", file=sys.stderr)
+        return 2
+    if result.synthetic:
+        print("note: the HF checkpoint is SYNTHETIC (seeded random-init weights in the real layout); "
+              "pass --hf-checkpoint DIR to use real weights")
+    return 0

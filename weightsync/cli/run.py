@@ -1,0 +1,125 @@
+"""``weightsync run MODEL``: train and update rollout engines every step (the reference system's ``run``).
+
+Resolves the run from the model's profile and the machine: where the machine has the GPUs the
+profile needs, the profile runs as is; otherwise ``run`` says so in one line and runs the
+*embedded default*: the same family at tiny scale on CPU, trainer TP 2 and engine TP 2 (EP 2
+for MoE families, DP-attention where the profile uses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from weightsync.launch.config import EnvSettings, RunConfig, env_settings
+from weightsync.models import get_profile, list_models
+from weightsync.models.fit import cuda_device_count, fit_profile
+from weightsync.models.parallel import rollout_from_args, train_from_args
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="registry model name (weightsync list)")
+    p.add_argument("--mode", default="p2p", help="p2p (default), broadcast, or both (alternating, one run)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 = head)")
+    p.add_argument("--head-ip", default="", help="head node address (multi-node profiles)")
+    p.add_argument("--num-rollout", type=int, default=3, help="training steps, each followed by an update")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when the profile fits")
+    p.add_argument("--scale", default=None, help="full | layers=N | tiny (default: the profile's or tiny)")
+    p.add_argument("--train", default=None,
+                   help="tp=..,pp=..,cp=..,ep=..,etp=..,world=..,last=..,mla_rep=0|1 (default: profile). mla_rep=1: "
+                        "MLA down projections whole on every TP rank, as Megatron's TE spec; 0: split over TP, as "
+                        "its local spec (default: the profile's)")
+    p.add_argument("--rollout", default=None, help="tp=..,ep=..,dp=..,engines=.. (default: profile)")
+    p.add_argument("--transport", default="auto", help="p2p transport: auto | shm | mooncake | cuda_ipc")
+    p.add_argument("--prompts-per-step", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--engine-urls", default="",
+                   help="comma-separated URLs of engines already serving this run's model and layout (started "
+                        "with `weightsync serve`): update them instead of starting engines; one URL per engine")
+
+
+
+
+
+
+
+
+def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
+    """The run this invocation stands for, or None when this node has nothing to do.
+
+    Raises:
+        ValueError: unknown model or mode, or a bad parallel layout (the message says which).
+    """
+    if args.model not in list_models():
+        raise ValueError(f"unknown model {args.model!r}; known: {', '.join(list_models())}")
+    if args.mode not in ("p2p", "broadcast", "both"):
+        raise ValueError(f"unknown mode {args.mode!r}: use p2p or broadcast (or both)")
+    profile = get_profile(args.model)
+    explicit = any(x is not None for x in (args.scale, args.train, args.rollout, args.device))
+    have = cuda_device_count()
+    embedded = False
+    if explicit:
+        device = args.device or ("cuda" if have else "cpu")
+        scale = args.scale or ("full" if device == "cuda" else "tiny")
+        train = train_from_args(args.train, mla_down_proj_replicated=profile.train.mla_down_proj_replicated) \
+            if args.train else profile.train
+        rollout = rollout_from_args(args.rollout) if args.rollout else profile.rollout
+    else:
+        fit = fit_profile(args.model, have)
+        if fit.embedded and args.node_rank != 0:
+            print(f"{fit.note} It runs on the head node only: node {args.node_rank} has nothing to do.")
+            return None
+        if fit.note:
+            print(fit.note)
+        device, scale, train, rollout, embedded = fit.device, fit.scale, fit.train, fit.rollout, fit.embedded
+    if device == "cuda" and have < train.world_size + rollout.world_size:
+        raise ValueError(f"this run needs {train.world_size + rollout.world_size} GPUs on one node "
+                         f"({train.world_size} train + {rollout.world_size} rollout); this machine has {have}. "
+                         "Placement across several nodes is not built yet.")
+    urls = tuple(u.strip().rstrip("/") for u in args.engine_urls.split(",") if u.strip())
+    if urls:
+        rollout = replace(rollout, num_engines=len(urls))
+    log_dir = env.log_dir or Path("logs") / f"{args.model}_{args.mode}_{time.strftime('%Y%m%d-%H%M%S')}"
+    return RunConfig(model=args.model, scale=scale, mode=args.mode, device=device, train=train, rollout=rollout,
+                     num_steps=args.num_rollout, env=env, log_dir=Path(log_dir), transport=args.transport,
+                     prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
+                     embedded_default=embedded, engine_urls=urls)
+
+
+def main(args: argparse.Namespace) -> int:
+    from weightsync.launch.procs import TrainerError
+    from weightsync.launch.session import RunError, RunSession
+    from weightsync.sources.prepare import ensure_prepared
+    from weightsync.sync.engine_client import EngineError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        env = env_settings()
+        cfg = resolve(args, env)
+    except ValueError as exc:
+        print(f"weightsync run: {exc}", file=sys.stderr)
+        return 2
+    if cfg is None:
+        return 0
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train)
+    except (ValueError, FileExistsError) as exc:  # prepare's errors name the checkpoint and what is wrong
+        print(f"weightsync run: prepare: {exc}", file=sys.stderr)
+        return 2
+    print(f"model {cfg.model} ({cfg.scale}), mode {cfg.mode}, {cfg.device}; checkpoint {hf_dir}; logs {cfg.log_dir}",
+          flush=True)
+    try:
+        summary = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir).run()
+    except (RunError, EngineError, TrainerError) as exc:
+        # The message says what failed (a trainer rank's traceback is in it); the launcher's own
+        # stack adds nothing.
+        print(f"weightsync run: {exc}", file=sys.stderr)
+        return 1
+    return 0 if summary["validation_passed"] else 1

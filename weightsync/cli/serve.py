@@ -1,0 +1,99 @@
+"""``weightsync serve MODEL``: the built-in rollout engine's command line (see
+:mod:`weightsync.engine.serve` and docs/engine.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from weightsync.engine.config import ServeConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="registry model name (see `weightsync list`)")
+    parser.add_argument("--scale", default="full", help="full | layers=N | tiny (default: full)")
+    parser.add_argument("--tp", type=int, default=1, help="ranks (processes) of the engine")
+    parser.add_argument("--dp", type=int, default=1, help="DP-attention size (1 = off)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    parser.add_argument(
+        "--moe-dense-tp-size",
+        type=int,
+        default=None,
+        help="1: replicate dense MLP layers (MLA and GLM-4.5 models); default: split over TP",
+    )
+    parser.add_argument(
+        "--enable-dp-lm-head",
+        action="store_true",
+        help="split the lm_head vocab over attention-TP instead of full TP (with --dp > 1)",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=30000)
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="HF checkpoint directory (safetensors + config.json)")
+    src.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default=None,
+        help="dummy: seeded synthetic weights instead of a checkpoint",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
+    parser.add_argument(
+        "--transport",
+        default="none",
+        choices=("none", "shm", "cuda_ipc", "mooncake"),
+        help="p2p transport the parameters are registered with (default: none = broadcast only)",
+    )
+    parser.add_argument("--mooncake-protocol", default="tcp", help="with --transport mooncake: tcp | rdma")
+    parser.add_argument("--mooncake-device", default="", help="with --transport mooncake rdma: e.g. mlx5_0")
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--dist-port", type=int, default=None, help="process-group rendezvous port (default: free)")
+    parser.add_argument("--compute-dtype", default=None, help="activation dtype (default: float32 on cpu)")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank on cpu (default: 1)")
+    parser.add_argument("--log-level", default="info")
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    load_format = args.load_format or ("auto" if args.checkpoint else "dummy")
+    return ServeConfig(
+        model=args.model,
+        scale=args.scale,
+        tp=args.tp,
+        dp=args.dp,
+        ep=args.ep,
+        moe_dense_tp_size=args.moe_dense_tp_size,
+        enable_dp_lm_head=args.enable_dp_lm_head,
+        device=args.device,
+        host=args.host,
+        port=args.port,
+        checkpoint=args.checkpoint,
+        load_format=load_format,
+        seed=args.seed,
+        transport=args.transport,
+        mooncake_protocol=args.mooncake_protocol,
+        mooncake_device=args.mooncake_device,
+        max_batch_size=args.max_batch_size,
+        weight_version=args.weight_version,
+        dist_port=args.dist_port,
+        compute_dtype=args.compute_dtype,
+        cpu_threads=args.cpu_threads,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from weightsync.engine.serve import run_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn re-raises the stop signal once it has shut down: turn SIGTERM into SystemExit (as
+    # Ctrl-C is a KeyboardInterrupt) so that the teardown below runs instead of a hard kill.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return run_server(config_from_args(args), log_level=args.log_level)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -1,0 +1,20 @@
+"""The built-in rollout engine: tensor-parallel inference in the sglang layout, its HTTP control API
+(sglang's endpoint names) and the weight checker. It receives weights through the library
+(:mod:`weightsync.sync`: the parameter arena, the p2p receiver, the broadcast receiver).
+
+Modules, bottom up:
+
+* ``config``     :class:`ServeConfig`, everything one engine needs
+* ``loader``     fill parameters from an HF checkpoint or dummy weights; post-load derivations
+                 (MLA ``w_kc``/``w_vc``)
+* ``tp``         process groups and collectives (TP, attention-TP, control)
+* ``layers``, ``attention``, ``model``   the forward of every family
+* ``sampling``, ``engine``   batched KV-cached generation and logprobs on one rank
+* ``checker``    the weight checker
+* ``control``    rank 0 drives the other ranks (typed commands, per-rank replies)
+* ``scheduler``  rank 0's state machine and batching; ``io_struct`` + ``http_api`` the HTTP layer
+* ``bootstrap``, ``serve``   the server of ``weightsync serve`` (its command line: :mod:`weightsync.cli.serve`)
+* ``reference``  a plain reference forward over global HF tensors (tests, logprob parity)
+
+See docs/engine.md.
+"""

@@ -1,0 +1,121 @@
+"""Bringing up one engine rank: process group, groups, transport and parameters, engine, weights.
+
+Used by :mod:`weightsync.engine.serve` for rank 0 (this process) and the spawned ranks. Loading
+ends with a startup agreement over the control group: if any rank failed to load, every rank
+raises (the failing one its own error), so no rank waits forever for a peer that died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.engine.engine import Engine
+from weightsync.engine.tp import EngineGroups
+from weightsync.layout.sglang import check_engine_parallel
+from weightsync.models import get_model
+from weightsync.models.parallel import RolloutParallel
+from weightsync.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from weightsync.engine.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
+    """The model and parallel sizes of ``cfg``, refused early when sglang would refuse them.
+
+    Raises:
+        ValueError: unknown model or scale, bad sizes, not enough CUDA devices.
+    """
+    spec = get_model(cfg.model, cfg.scale)
+    par = RolloutParallel(
+        tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, moe_dense_tp=cfg.moe_dense_tp_size, dp_lm_head=cfg.enable_dp_lm_head
+    )
+    check_engine_parallel(spec, par)
+    if cfg.device == "cuda" and torch.cuda.device_count() < par.tp:
+        raise ValueError(f"tp={par.tp} needs {par.tp} CUDA devices, found {torch.cuda.device_count()}")
+    return spec, par
+
+
+def transport_options(cfg: ServeConfig) -> dict[str, Any]:
+    """Constructor options of the engine's p2p transport (only mooncake takes any from the CLI)."""
+    if cfg.transport != "mooncake":
+        return {}
+    host = cfg.host if cfg.host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
+    return {"protocol": cfg.mooncake_protocol, "device": cfg.mooncake_device, "hostname": host}
+
+
+def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: int, port: int) -> Engine:
+    """Join the engine's process group (tp > 1), allocate the rank's parameters and load them.
+
+    Collective over the engine's ranks when ``tp > 1``.
+
+    Raises:
+        The rank's own load error, or RuntimeError naming the ranks that failed to load.
+    """
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(cfg.cpu_threads)
+    if par.tp > 1:
+        dist.init_process_group(
+            "nccl" if cfg.device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=par.tp,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        groups = EngineGroups.build(par, rank)
+    else:
+        groups = EngineGroups.single(par)
+    dtype = getattr(torch, cfg.compute_dtype) if cfg.compute_dtype else None
+    engine = Engine.build(
+        spec,
+        groups,
+        device=device,
+        compute_dtype=dtype,
+        transport=cfg.transport,
+        transport_options=transport_options(cfg),
+    )
+    error: BaseException | None = None
+    try:
+        stats = engine.load_checkpoint(cfg.checkpoint) if cfg.checkpoint else engine.load_dummy(cfg.seed)
+        logger.info(
+            "[rank%d] loaded %d tensors (%.1f MB) in %.2f s", rank, stats.num_tensors, stats.nbytes / 1e6, stats.seconds
+        )
+    except Exception as exc:  # agreed on below, then re-raised as is
+        error = exc
+    _agree(groups, rank, error)
+    return engine
+
+
+def _agree(groups: EngineGroups, rank: int, error: BaseException | None) -> None:
+    """Every rank learns whether all loaded; a failed rank re-raises its own error."""
+    if groups.control is not None:
+        flags = [None] * groups.world
+        dist.all_gather_object(flags, error is None, group=groups.control)
+        failed = [r for r, ok in enumerate(flags) if not ok]
+    else:
+        failed = [rank] if error is not None else []
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"[rank{rank}] engine ranks {failed} failed to load their weights (see their logs)")
+
+
+def finish_rank(engine: Engine) -> None:
+    """Release the rank's parameters and groups, then the process group."""
+    engine.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,70 @@
+"""The engine's configuration record: everything one ``weightsync serve`` engine needs.
+
+Filled by the command line (:mod:`weightsync.cli.serve`) or by a launcher; read by
+:mod:`weightsync.engine.bootstrap` and :mod:`weightsync.engine.serve`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GRACEFUL_SHUTDOWN_S = 5
+"""On stop, requests still waiting after this long (e.g. queued behind a pause) are cancelled."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServeConfig:
+    """Everything one engine needs; the CLI only fills it."""
+
+    model: str
+    """Registry name (``weightsync list``)."""
+    scale: str = "full"
+    """``full``, ``layers=N`` or ``tiny``."""
+    tp: int = 1
+    dp: int = 1
+    """DP-attention size (1 = off)."""
+    ep: int = 1
+    moe_dense_tp_size: int | None = None
+    """sglang ``--moe-dense-tp-size`` (only 1: dense MLP layers replicated; None: split over TP)."""
+    enable_dp_lm_head: bool = False
+    """sglang ``--enable-dp-lm-head``: lm_head vocab split over attention-TP instead of full TP."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (rank r uses ``cuda:r``)."""
+    host: str = "127.0.0.1"
+    port: int = 30000
+    checkpoint: str | None = None
+    """HF checkpoint directory; None with ``load_format="dummy"``."""
+    load_format: str = "auto"
+    """``auto`` (the checkpoint) or ``dummy`` (the seeded synthetic weights of the model)."""
+    seed: int = 0
+    """Seed of the dummy weights."""
+    transport: str = "none"
+    """p2p transport the parameters are registered with (``none``, ``shm``, ``cuda_ipc``,
+    ``mooncake``); ``none`` leaves the broadcast path only."""
+    mooncake_protocol: str = "tcp"
+    """Mooncake protocol when ``transport="mooncake"`` (``tcp``, ``rdma``)."""
+    mooncake_device: str = ""
+    """RDMA device(s) for mooncake ``rdma`` (e.g. ``mlx5_0``)."""
+    max_batch_size: int = 32
+    weight_version: str = "default"
+    dist_port: int | None = None
+    """Rendezvous port of the engine's process group (None: a free one)."""
+    compute_dtype: str | None = None
+    """Activation dtype (None: float32 on CPU, the model's dtype on CUDA)."""
+    cpu_threads: int = 1
+    """torch intra-op threads per rank on CPU (tiny models are fastest on one; more oversubscribes
+    a small machine running several ranks)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.load_format == "dummy" and self.checkpoint is not None:
+            raise ValueError("give either --checkpoint or --load-format dummy, not both")
+        if self.load_format == "auto" and self.checkpoint is None:
+            raise ValueError("no --checkpoint: pass one, or --load-format dummy for synthetic weights")
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")

@@ -1,0 +1,177 @@
+"""Rank 0 drives the engine's other ranks: typed commands out, per-rank replies back.
+
+Protocol (over the engine's gloo ``control`` group)::
+
+    worker:  IDLE --broadcast(Command)--> EXECUTING --gather(Reply)--> IDLE   (SHUTDOWN: exit)
+    rank 0:  broadcast(Command); execute it locally; gather every Reply; raise if any failed
+
+A failing rank ships its formatted traceback in its :class:`Reply`; rank 0 raises one
+:class:`RankError` naming every failed rank, so one failure stops the command everywhere in the
+same way. Commands are validated on rank 0 before they are sent (bad input never reaches the
+ranks); a rank that fails *inside* a collective leaves the others waiting until the collective
+times out.
+
+A single-rank engine without torch.distributed runs the same commands locally.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from weightsync.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class Op(enum.StrEnum):
+    """What a command asks every rank to do (argument names in :func:`execute`)."""
+
+    GENERATE = "generate"  # reqs -> list[GenResult] (rank 0)
+    PROMPT_LOGITS = "prompt_logits"  # prompts -> list[Tensor] (rank 0)
+    LOAD_CHECKPOINT = "load_checkpoint"  # path -> LoadStats
+    LOAD_DUMMY = "load_dummy"  # seed -> LoadStats
+    POST_LOAD = "post_load"  # -> seconds
+    TRANSFER_INFO = "transfer_info"  # -> (session_id, {name: [ptr, numel, elem_size]}, descriptor | None)
+    CHECK_WEIGHTS = "check_weights"  # action, seed -> dict
+    INIT_GROUP = "init_group"  # master_address, master_port, rank_offset, world_size, group_name, backend
+    UPDATE_FROM_DISTRIBUTED = "update_from_distributed"  # names, dtypes, shapes, group_name -> dict
+    DESTROY_GROUP = "destroy_group"  # group_name
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Command:
+    op: Op
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reply:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+    """Formatted traceback of the failure (empty when ok)."""
+    user_error: bool = False
+    """The failure was a ValueError: bad input or configuration, not an engine fault."""
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed a command; ``str()`` has every failed rank's message."""
+
+    def __init__(self, op: Op, failed: list[Reply]) -> None:
+        self.op = op
+        self.failed = failed
+        self.user_error = all(r.user_error for r in failed)
+        if self.user_error:
+            # The same bad input fails every rank the same way: say it once.
+            last = failed[0].error.strip().splitlines()[-1]
+            msg = last.split(": ", 1)[1] if ": " in last else last
+        else:
+            msg = "\n".join(f"[rank{r.rank}] {r.error}" for r in failed)
+        super().__init__(msg)
+
+
+def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | None = None) -> Reply:
+    """Run ``cmd`` on this rank; failures become a :class:`Reply` carrying the traceback."""
+    a = cmd.args
+    try:
+        match cmd.op:
+            case Op.GENERATE:
+                value: Any = engine.generate(a["reqs"], should_abort)
+            case Op.PROMPT_LOGITS:
+                value = engine.prompt_logits(a["prompts"])
+            case Op.LOAD_CHECKPOINT:
+                value = engine.load_checkpoint(a["path"])
+            case Op.LOAD_DUMMY:
+                value = engine.load_dummy(a["seed"])
+            case Op.POST_LOAD:
+                value = engine.post_load()
+            case Op.TRANSFER_INFO:
+                value = engine.transfer_info()
+            case Op.CHECK_WEIGHTS:
+                value = _check(engine, a["action"], a.get("seed", 0))
+            case Op.INIT_GROUP:
+                value = engine.broadcast.init_group(**a)
+            case Op.UPDATE_FROM_DISTRIBUTED:
+                value = engine.broadcast.receive(**a)
+            case Op.DESTROY_GROUP:
+                value = engine.broadcast.destroy_group(a["group_name"])
+            case Op.SHUTDOWN:
+                value = None
+    except Exception as exc:  # shipped to rank 0 with its traceback and re-raised there as RankError
+        logger.exception("[rank%d] %s failed", engine.rank, cmd.op)
+        return Reply(rank=engine.rank, ok=False, error=traceback.format_exc(), user_error=isinstance(exc, ValueError))
+    if engine.rank != 0 and cmd.op in (Op.GENERATE, Op.PROMPT_LOGITS):
+        value = None  # rank 0 holds the outputs; do not ship copies back
+    return Reply(rank=engine.rank, ok=True, value=value)
+
+
+def _check(engine: Engine, action: str, seed: int) -> dict[str, Any]:
+    checker = engine.checker
+    if action == "snapshot":
+        return checker.snapshot()
+    if action == "reset_tensors":
+        return checker.reset_tensors(seed)
+    if action == "compare":
+        return checker.compare()
+    if action == "checksum":
+        return checker.checksum()
+    raise ValueError(f"unknown weights_checker action {action!r}; use snapshot, reset_tensors, compare or checksum")
+
+
+class Driver:
+    """Rank 0's side: send a command to every rank, run it locally, collect the replies."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.world = engine.groups.world
+        self._pg = engine.groups.control
+
+    def run(self, op: Op, should_abort: Callable[[], bool] | None = None, **args: Any) -> list[Any]:
+        """Run ``op`` on all ranks (blocks until all have replied).
+
+        Returns:
+            Every rank's value, by rank.
+
+        Raises:
+            RankError: any rank failed.
+        """
+        cmd = Command(op=op, args=args)
+        if self.world > 1:
+            dist.broadcast_object_list([cmd], src=0, group=self._pg)
+        mine = execute(self.engine, cmd, should_abort)
+        replies = [mine]
+        if self.world > 1:
+            gathered: list[Reply | None] = [None] * self.world
+            dist.gather_object(mine, gathered, dst=0, group=self._pg)
+            replies = [r for r in gathered if r is not None]
+        failed = [r for r in replies if not r.ok]
+        if failed:
+            raise RankError(op, failed)
+        return [r.value for r in replies]
+
+    def shutdown(self) -> None:
+        """Release the workers (they leave their loop)."""
+        self.run(Op.SHUTDOWN)
+
+
+def worker_loop(engine: Engine) -> None:
+    """Ranks > 0: execute rank 0's commands until SHUTDOWN."""
+    pg = engine.groups.control
+    while True:
+        box: list[Command | None] = [None]
+        dist.broadcast_object_list(box, src=0, group=pg)
+        cmd = box[0]
+        assert cmd is not None
+        reply = execute(engine, cmd)
+        dist.gather_object(reply, None, dst=0, group=pg)
+        if cmd.op is Op.SHUTDOWN:
+            return

@@ -1,0 +1,16 @@
+"""The weight-update library: what moves the weights, on both sides.
+
+Everything another RL framework would import to update engines from its own trainer, and that the
+built-in engine uses to receive:
+
+* ``p2p_sender``        :class:`P2PSender`: replays one trainer rank's share of the static plan,
+                        writing converted bytes straight into engine parameters (one-sided)
+* ``p2p_receiver``      :class:`Receiver`: an engine rank's transport, arena and one registration
+* ``params``            :class:`ParamStore`: an engine rank's parameters carved from one block;
+                        :func:`write_global` fills them from a global tensor by the layout's pieces
+* ``broadcast_sender``  the classic path: gather full tensors on the source ranks, broadcast buckets
+* ``broadcast_receiver`` keep this rank's pieces of each broadcast bucket
+* ``engine_client``     the HTTP client of an engine's sglang-named control endpoints
+
+Imports only ``models``, ``layout``, ``plan``, ``transport`` and ``quant`` (tests pin it).
+"""
