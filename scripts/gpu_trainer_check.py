@@ -6,7 +6,7 @@ What it checks, for each model and scale, at TP 2 (and EP 2 for MoE models):
 (a) ``logits``: megatron-core's forward of the model loaded from weightsync's torch_dist shards
     (parameters in float32, so the comparison is not blurred by bf16 rounding) equals the
     built-in engine's forward of the HF checkpoint (single process, float32) and the plain
-    reference forward (``weightsync.rollout.reference``), within ``LOGITS_ATOL + LOGITS_RTOL *
+    reference forward (``weightsync.engine.reference``), within ``LOGITS_ATOL + LOGITS_RTOL *
     max|logits|``. Families: Qwen3 dense and Qwen3-MoE by default; ``--all-families`` adds GLM-4.5
     and the MLA families (tiny scale).
 (b) ``train``: ``--steps`` REINFORCE steps (bf16 parameters, float32 Adam master weights) on a
@@ -17,7 +17,7 @@ What it checks, for each model and scale, at TP 2 (and EP 2 for MoE models):
     device has exactly the parameter names, shapes and tensor-parallel attributes
     (``tensor_model_parallel``, ``partition_dim``) of weightsync's trainer layout.
 
-Checkpoints are written by ``weightsync.trainer.prepare`` (synthetic HF weights) into a temporary
+Checkpoints are written by ``weightsync.sources.prepare`` (synthetic HF weights) into a temporary
 directory, or ``--ckpt-dir``. The result is one JSON object on stdout (and in ``--out``), with
 ``"passed"``; the exit status is 0 only when every check passed.
 
@@ -63,8 +63,8 @@ def _free_port() -> int:
 
 
 def _train_parallel(model: str) -> Any:
-    from weightsync.layout.parallel import TrainParallel
     from weightsync.models import get_model
+    from weightsync.models.parallel import TrainParallel
 
     return TrainParallel(world_size=WORLD, tp=2, ep=2 if get_model(model).is_moe else 1)
 
@@ -84,8 +84,8 @@ def _reference_logits(spec: Any, hf_dir: Path, prompts: list[list[int]], device:
 
     out: dict[str, Any] = {}
     try:
-        from weightsync.rollout.engine import Engine
-        from weightsync.rollout.tp import EngineGroups
+        from weightsync.engine.engine import Engine
+        from weightsync.engine.tp import EngineGroups
 
         engine = Engine.build(spec, EngineGroups.single(), device=torch.device(device), compute_dtype=torch.float32)
         try:
@@ -95,7 +95,7 @@ def _reference_logits(spec: Any, hf_dir: Path, prompts: list[list[int]], device:
             engine.close()
     except Exception:  # reported in the summary; the reference forward still runs
         out["engine_error"] = traceback.format_exc(limit=3)
-    from weightsync.rollout.reference import Reference
+    from weightsync.engine.reference import Reference
 
     tensors, _ = read_hf_checkpoint(hf_dir)
     ref = Reference(spec, tensors)
@@ -109,7 +109,7 @@ def _megatron_logits(model: Any, prompts: list[list[int]], vocab: int) -> list[A
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from weightsync.trainer.train_step import model_logits
+    from weightsync.sources.train_step import model_logits
 
     out = []
     group = parallel_state.get_tensor_model_parallel_group()
@@ -126,8 +126,8 @@ def _megatron_logits(model: Any, prompts: list[list[int]], vocab: int) -> list[A
 def check_logits(spec: Any, par: Any, rank: int, device: str, ckpt: Path, hf_dir: Path) -> dict[str, Any]:
     import torch
 
-    from weightsync.trainer.megatron_load import load_into_model
-    from weightsync.trainer.megatron_model import build_gpt_model
+    from weightsync.sources.megatron_load import load_into_model
+    from weightsync.sources.megatron_model import build_gpt_model
 
     # GLM-5: weightsync's core attention is dense (no DSA top-k selection); with prompts no longer
     # than index_topk the indexer selects every earlier key, so the forwards must agree.
@@ -160,7 +160,7 @@ def check_train(spec: Any, par: Any, rank: int, device: str, ckpt: Path, steps: 
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from weightsync.trainer.train_step import MegatronTrainer, batch_from_samples
+    from weightsync.sources.train_step import MegatronTrainer, batch_from_samples
 
     rows = _tokens(spec.vocab_size, 4, 16, seed=5)
     samples = [{"prompt_ids": r[:6], "output_ids": r[6:], "reward": float(i % 2)} for i, r in enumerate(rows)]
@@ -192,7 +192,7 @@ def _rewarded_logprob(model: Any, batch: Any, vocab: int) -> float:
     """Mean logprob of the response tokens of the samples with a positive advantage."""
     import torch
 
-    from weightsync.trainer.train_step import token_logprobs
+    from weightsync.sources.train_step import token_logprobs
 
     model.eval()
     with torch.no_grad():
@@ -202,7 +202,7 @@ def _rewarded_logprob(model: Any, batch: Any, vocab: int) -> float:
 
 
 def check_layout(spec: Any, par: Any, rank: int, device: str) -> dict[str, Any]:
-    from weightsync.trainer.megatron_model import build_gpt_model, check_against_layout
+    from weightsync.sources.megatron_model import build_gpt_model, check_against_layout
 
     model = build_gpt_model(spec, par, rank, device=device)
     layout = check_against_layout(model, spec, par, rank)  # raises with every difference
@@ -215,7 +215,7 @@ def _worker(rank: int, plan: list[dict[str, Any]], port: int, device: str, out_d
     import torch.distributed as dist
 
     from weightsync.models import get_model
-    from weightsync.trainer.megatron_model import destroy_parallel_state, init_parallel_state
+    from weightsync.sources.megatron_model import destroy_parallel_state, init_parallel_state
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -250,7 +250,7 @@ def _worker(rank: int, plan: list[dict[str, Any]], port: int, device: str, out_d
 
 
 def _plan(args: argparse.Namespace, ckpt_root: Path) -> list[dict[str, Any]]:
-    from weightsync.trainer.prepare import PrepareConfig, prepare
+    from weightsync.sources.prepare import PrepareConfig, prepare
 
     plan = []
     scales = ["tiny"] if args.quick else args.scales.split(",")
