@@ -28,7 +28,9 @@ from weightsync.transport import (
     transport_class,
 )
 from weightsync.transport._host import copy_blocks, host_array, split_blocks
-from weightsync.transport.base import RegionTable, TensorArena, as_runs, coalesce_runs, strided_blocks
+from weightsync.transport.arena import TensorArena
+from weightsync.transport.region_table import RegionTable
+from weightsync.transport.runs import as_runs, coalesce_runs, strided_blocks
 
 
 def test_as_runs_rejects_bad_input() -> None:

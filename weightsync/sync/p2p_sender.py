@@ -35,7 +35,7 @@ import torch
 from weightsync.layout.box import LocalTensor, box_shape, box_slices, box_volume
 from weightsync.plan.ops import CopyOp, box_runs
 from weightsync.quant.fp8 import block_scale_inv, quantize_block_fp8
-from weightsync.transport.base import Peer, PeerDescriptor, Transport, WriteBatch, WriteHandle, deadline_after
+from weightsync.transport import Peer, PeerDescriptor, Transport, WriteBatch, WriteHandle, deadline_after
 
 log = logging.getLogger(__name__)
 

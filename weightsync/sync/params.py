@@ -33,7 +33,7 @@ ALIGN_BYTES = 256
 
 
 class ArenaLike(Protocol):
-    """What :class:`ParamStore` needs of an arena (:class:`weightsync.transport.base.Arena` fits)."""
+    """What :class:`ParamStore` needs of an arena (:class:`weightsync.transport.arena.Arena` fits)."""
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
 

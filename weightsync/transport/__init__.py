@@ -1,6 +1,12 @@
 """Byte movers behind one interface (:class:`~weightsync.transport.base.Transport`), and the
 written policy that picks one per (sender, receiver) pair.
 
+Modules by job: :mod:`~weightsync.transport.base` (the interface and its life cycle),
+:mod:`~weightsync.transport.records` (regions and descriptors, the JSON that crosses processes),
+:mod:`~weightsync.transport.runs` (run arithmetic), :mod:`~weightsync.transport.region_table`
+(which region holds a run), :mod:`~weightsync.transport.arena` (destination memory),
+:mod:`~weightsync.transport.handles` (peers, write batches, issued writes); one module per backend.
+
 This is the only module that knows every backend. Backends are imported when first asked for,
 so importing the package needs neither Mooncake nor CUDA.
 
@@ -20,19 +26,10 @@ import importlib
 from enum import StrEnum
 from typing import Any, Protocol
 
-from weightsync.transport.base import (
-    HOST,
-    Arena,
-    Peer,
-    PeerDescriptor,
-    Region,
-    Run,
-    Transport,
-    WriteBatch,
-    WriteHandle,
-    arena_bytes,
-    deadline_after,
-)
+from weightsync.transport.arena import Arena, arena_bytes
+from weightsync.transport.base import Transport
+from weightsync.transport.handles import Peer, WriteBatch, WriteHandle, deadline_after
+from weightsync.transport.records import HOST, PeerDescriptor, Region, Run
 
 __all__ = [
     "HOST",

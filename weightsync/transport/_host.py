@@ -31,7 +31,7 @@ def host_tensor(addr: int, nbytes: int) -> torch.Tensor:
 
 
 def copy_blocks(blocks: np.ndarray) -> None:
-    """Copy :func:`~weightsync.transport.base.strided_blocks` rows in host memory, in order."""
+    """Copy :func:`~weightsync.transport.runs.strided_blocks` rows in host memory, in order."""
     for s, d, w, h, sp, dp in blocks.tolist():
         if h == 1:
             ctypes.memmove(d, s, w)

@@ -33,16 +33,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from weightsync.transport.base import (
-    MappedPeer,
-    PeerDescriptor,
-    Region,
-    RegionTable,
-    Transport,
-    WriteBatch,
-    WriteHandle,
-    timeout_message,
-)
+from weightsync.transport.base import Transport
+from weightsync.transport.handles import MappedPeer, WriteBatch, WriteHandle, timeout_message
+from weightsync.transport.records import PeerDescriptor, Region
+from weightsync.transport.region_table import RegionTable
 
 
 def cuda_ipc_available() -> bool:

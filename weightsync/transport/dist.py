@@ -34,18 +34,10 @@ import torch
 import torch.distributed as dist
 
 from weightsync.transport._host import copy_blocks, host_tensor
-from weightsync.transport.base import (
-    HOST,
-    Peer,
-    Region,
-    Run,
-    Transport,
-    WriteBatch,
-    WriteHandle,
-    as_runs,
-    coalesce_runs,
-    timeout_message,
-)
+from weightsync.transport.base import Transport
+from weightsync.transport.handles import Peer, WriteBatch, WriteHandle, timeout_message
+from weightsync.transport.records import HOST, Region, Run
+from weightsync.transport.runs import as_runs, coalesce_runs
 
 
 def dist_available() -> bool:

@@ -13,14 +13,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from weightsync.transport._host import HostCopier, wait_futures
-from weightsync.transport.base import (
-    HOST,
-    Region,
-    Transport,
-    WriteBatch,
-    WriteHandle,
-    timeout_message,
-)
+from weightsync.transport.base import Transport
+from weightsync.transport.handles import WriteBatch, WriteHandle, timeout_message
+from weightsync.transport.records import HOST, Region
 
 
 @dataclass(eq=False, kw_only=True)

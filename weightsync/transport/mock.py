@@ -24,8 +24,9 @@ from typing import ClassVar
 import numpy as np
 
 from weightsync.transport._host import copy_blocks
-from weightsync.transport.base import Peer, PeerDescriptor, Region, WriteBatch, WriteHandle
+from weightsync.transport.handles import Peer, WriteBatch, WriteHandle
 from weightsync.transport.local import LocalHandle, LocalTransport
+from weightsync.transport.records import PeerDescriptor, Region
 
 
 class MockTransport(LocalTransport):

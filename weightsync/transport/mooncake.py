@@ -26,13 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from weightsync.transport.base import (
-    Region,
-    Transport,
-    WriteBatch,
-    WriteHandle,
-    timeout_message,
-)
+from weightsync.transport.base import Transport
+from weightsync.transport.handles import WriteBatch, WriteHandle, timeout_message
+from weightsync.transport.records import Region
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 DEFAULT_PROTOCOL = "tcp"

@@ -37,18 +37,11 @@ import numpy as np
 import torch
 
 from weightsync.transport._host import HostCopier, wait_futures
-from weightsync.transport.base import (
-    DEFAULT_ALIGN,
-    Arena,
-    MappedPeer,
-    PeerDescriptor,
-    Region,
-    RegionTable,
-    Transport,
-    WriteBatch,
-    WriteHandle,
-    timeout_message,
-)
+from weightsync.transport.arena import DEFAULT_ALIGN, Arena
+from weightsync.transport.base import Transport
+from weightsync.transport.handles import MappedPeer, WriteBatch, WriteHandle, timeout_message
+from weightsync.transport.records import PeerDescriptor, Region
+from weightsync.transport.region_table import RegionTable
 
 log = logging.getLogger(__name__)
 
