@@ -11,8 +11,8 @@ Typical usage::
     verify_plan(plan, inputs)                  # raises PlanVerificationError
     mine = plan_for_rank(inputs, "p2p", src_rank=3).ops   # one sender's CopyOps, computed locally
 
-Modules: :mod:`~weightsync.plan.ops` (CopyOp, byte runs, coalescing), :mod:`~weightsync.plan.regions`
-and :mod:`~weightsync.plan.region_table` (cutting destination pieces along source pieces),
+Modules: :mod:`~weightsync.plan.ops` (CopyOp, byte runs, coalescing), :mod:`~weightsync.plan.cuts`
+and :mod:`~weightsync.plan.cut_table` (cutting destination pieces along source pieces),
 :mod:`~weightsync.plan.p2p` and :mod:`~weightsync.plan.broadcast` (the two modes),
 :mod:`~weightsync.plan.verify`, :mod:`~weightsync.plan.cost`, :mod:`~weightsync.plan.serialize`,
 :mod:`~weightsync.plan.simulate` (imports torch; not imported here), :mod:`~weightsync.cli.plan`.

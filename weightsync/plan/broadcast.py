@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 from weightsync.layout.box import LocalTensor, Piece, box_volume, full_box
 from weightsync.models.hf import DTYPE_BYTES
+from weightsync.plan.cut_table import NameTable, build_cut_table
+from weightsync.plan.cuts import Cutter, SourceIndex
 from weightsync.plan.inputs import PlanInputs
 from weightsync.plan.p2p import HolderRule, assemble, expand, source_globals, tensors_touching
 from weightsync.plan.records import Bucket, Plan
-from weightsync.plan.region_table import NameTable, build_region_table
-from weightsync.plan.regions import Cutter, SourceIndex
 
 DEFAULT_BUCKET_BYTES = 1 << 30
 """The reference system's default ``BUCKET_SIZE_GB`` = 1."""
@@ -151,7 +151,7 @@ def plan_broadcast(inputs: PlanInputs, *, bucket_bytes: int = DEFAULT_BUCKET_BYT
     sources = SourceIndex(enumerate(gathered), None if whole else source_globals(inputs, only))
     names = NameTable(inputs.globals)
     cutter = Cutter(sources, inputs.globals)
-    tables = {r: build_region_table(inputs.engine_layouts[r], r, cutter, names, idx) for r, idx in only.items()}
+    tables = {r: build_cut_table(inputs.engine_layouts[r], r, cutter, names, idx) for r, idx in only.items()}
     rule = HolderRule(inputs, names.holders())
     chunks = []
     for d in dst:

@@ -1,13 +1,13 @@
 """The p2p planner: every trainer rank writes the bytes each rollout rank needs, directly.
 
-For every destination piece of every rollout rank the planner takes the regions of
-:func:`weightsync.plan.regions.dest_regions` (one per source box that covers part of it) and
-picks one holder of each region by a **deterministic local rule**:
+For every destination piece of every rollout rank the planner takes the cuts of
+:func:`weightsync.plan.cuts.dest_cuts` (one per source box that covers part of it) and
+picks one holder of each cut by a **deterministic local rule**:
 
 1. keep the holders on the cheapest path to the receiver (same GPU < same node < network);
 2. among those, take number ``(k + e + r + j) mod n`` in rank order, where ``k`` is the
    ordinal of the source global tensor in :func:`weightsync.models.hf.global_tensors`, ``e``
-   the engine, ``r`` the rank inside the engine and ``j`` the region's index within its
+   the engine, ``r`` the rank inside the engine and ``j`` the cut's index within its
    destination tensor.
 
 Replicas thus take turns across engines, ranks and tensors, which spreads bytes over senders
@@ -15,7 +15,7 @@ and links and makes every replica send, and the rule needs nothing but the layou
 computes its own ops (:func:`plan_p2p_for_rank`) without the whole plan, and gets exactly the
 whole plan's ops for that rank, in the same order.
 
-Regions are cut once per engine rank (:mod:`weightsync.plan.region_table`) and expanded to all
+Cuts are made once per engine rank (:mod:`weightsync.plan.cut_table`) and expanded to all
 engines with numpy.
 """
 
@@ -25,16 +25,16 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from weightsync.plan.cut_table import CutTable, HolderTable, NameTable, build_cut_table
+from weightsync.plan.cuts import Cutter, SourceIndex
 from weightsync.plan.inputs import PlanInputs
 from weightsync.plan.ops import TRANSFORMS
 from weightsync.plan.records import Plan
-from weightsync.plan.region_table import HolderTable, NameTable, RegionTable, build_region_table
-from weightsync.plan.regions import Cutter, SourceIndex
 from weightsync.plan.table import OpTable
 
 
 class HolderRule:
-    """The holder choice of the module docstring, vectorized over one region table."""
+    """The holder choice of the module docstring, vectorized over one cut table."""
 
     def __init__(self, inputs: PlanInputs, holders: HolderTable) -> None:
         self.h = holders
@@ -46,21 +46,21 @@ class HolderRule:
         self.tp = inputs.rollout.tp
         self._multi: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def _multi_rows(self, rt: RegionTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Regions with several holders: (their indexes, flat holder rows, region of each row, first row)."""
+    def _multi_rows(self, rt: CutTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Cuts with several holders: (their indexes, flat holder rows, cut of each row, first row)."""
         got = self._multi.get(id(rt))
         if got is None:
             multi = np.flatnonzero(rt.h_count > 1)
             counts = rt.h_count[multi]
             first = np.cumsum(counts) - counts
-            region_of = np.repeat(np.arange(len(multi)), counts)
-            flat = rt.h_start[multi][region_of] + (np.arange(int(counts.sum())) - first[region_of])
-            got = self._multi[id(rt)] = (multi, flat, region_of, first)
+            cut_of = np.repeat(np.arange(len(multi)), counts)
+            flat = rt.h_start[multi][cut_of] + (np.arange(int(counts.sum())) - first[cut_of])
+            got = self._multi[id(rt)] = (multi, flat, cut_of, first)
         return got
 
-    def choose(self, rt: RegionTable, d: int) -> np.ndarray:
-        """Holder row chosen for each region of ``rt`` when the receiver is rollout rank ``d``."""
-        multi, flat, region_of, first = self._multi_rows(rt)
+    def choose(self, rt: CutTable, d: int) -> np.ndarray:
+        """Holder row chosen for each cut of ``rt`` when the receiver is rollout rank ``d``."""
+        multi, flat, cut_of, first = self._multi_rows(rt)
         if len(multi) == 0:
             return rt.h_start
         e, r = divmod(d, self.tp)
@@ -68,21 +68,21 @@ class HolderRule:
         same_node = self.h_node[flat] == node
         tier = 2 - same_node.astype(np.int64) - (same_node & (self.h_gpu[flat] == gpu))
         best = np.minimum.reduceat(tier, first)
-        is_cand = tier == best[region_of]
+        is_cand = tier == best[cut_of]
         ncand = np.add.reduceat(is_cand.astype(np.int64), first)
         k = (rt.src_ord[multi] + e + r + rt.j[multi]) % ncand
         csum = np.cumsum(is_cand)
-        before = csum[first] - is_cand[first]  # candidates before each region's first row
-        pos = np.flatnonzero(is_cand & (csum - 1 - before[region_of] == k[region_of]))
+        before = csum[first] - is_cand[first]  # candidates before each cut's first row
+        pos = np.flatnonzero(is_cand & (csum - 1 - before[cut_of] == k[cut_of]))
         assert len(pos) == len(multi)
         chosen = rt.h_start.copy()
         chosen[multi] = flat[pos]
         return chosen
 
 
-def expand(rt: RegionTable, rule: HolderRule, dst_ranks: Iterable[int], src_rank: int | None
+def expand(rt: CutTable, rule: HolderRule, dst_ranks: Iterable[int], src_rank: int | None
            ) -> list[dict[str, np.ndarray]]:
-    """Op columns for the regions of ``rt`` received by each of ``dst_ranks`` (one chunk per rank)."""
+    """Op columns for the cuts of ``rt`` received by each of ``dst_ranks`` (one chunk per rank)."""
     hs = rule.h
     chunks = []
     for d in dst_ranks:
@@ -112,14 +112,14 @@ def _adjacent_dim(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray, b_hi: np
     return np.where(ok, np.argmax(follows, axis=1), -1)
 
 
-def coalesce_chunk(rt: RegionTable, sel: np.ndarray, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Merge ops of consecutive regions of one destination tensor that continue each other.
+def coalesce_chunk(rt: CutTable, sel: np.ndarray, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Merge ops of consecutive cuts of one destination tensor that continue each other.
 
-    Rows ``i-1`` and ``i`` merge when they come from consecutive regions (``sel``) of the same
+    Rows ``i-1`` and ``i`` merge when they come from consecutive cuts (``sel``) of the same
     destination tensor, read the same source tensor, write the same global tensor with the same
     transform (never ``fp8_scale``), and their global, source and destination boxes all follow
     each other along the same dim. A chain merges along one dim only. The rule looks at two
-    regions and their chosen holders only, so a per-rank plan merges exactly as the whole plan.
+    cuts and their chosen holders only, so a per-rank plan merges exactly as the whole plan.
     """
     n = len(sel)
     if n < 2:
@@ -189,13 +189,13 @@ def plan_p2p(inputs: PlanInputs, sources: SourceIndex | None = None) -> Plan:
 
     Raises:
         ValueError: a destination piece that no source covers, an unknown global tensor, or fp8
-            regions that are not whole blocks (the message names the tensor).
+            cuts that are not whole blocks (the message names the tensor).
     """
     if sources is None:
         sources = SourceIndex(enumerate(inputs.source_layouts))
     names = NameTable(inputs.globals)
     cutter = Cutter(sources, inputs.globals)
-    tables = [build_region_table(inputs.engine_layouts[r], r, cutter, names)
+    tables = [build_cut_table(inputs.engine_layouts[r], r, cutter, names)
               for r in range(inputs.rollout.tp)]
     rule = HolderRule(inputs, names.holders())
     tp = inputs.rollout.tp
@@ -238,7 +238,7 @@ def plan_p2p_for_rank(inputs: PlanInputs, *, src_rank: int | None = None, dst_ra
         sources = SourceIndex(enumerate(inputs.source_layouts), source_globals(inputs, only))
     names = NameTable(inputs.globals)
     cutter = Cutter(sources, inputs.globals)
-    tables = {r: build_region_table(inputs.engine_layouts[r], r, cutter, names, idx) for r, idx in only.items()}
+    tables = {r: build_cut_table(inputs.engine_layouts[r], r, cutter, names, idx) for r, idx in only.items()}
     rule = HolderRule(inputs, names.holders())
     dst = [dst_rank] if dst_rank is not None else range(inputs.num_dest)
     chunks = []

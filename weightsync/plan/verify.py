@@ -32,8 +32,8 @@ import numpy as np
 
 from weightsync.layout.box import LocalTensor
 from weightsync.models.hf import DTYPE_BYTES, GlobalTensor
+from weightsync.plan.cuts import normalize_pieces
 from weightsync.plan.ops import TRANSFORMS
-from weightsync.plan.regions import normalize_pieces
 from weightsync.plan.table import MAX_DIMS, OpTable, pad_box, unpad_box
 
 D = MAX_DIMS

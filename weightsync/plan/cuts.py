@@ -1,16 +1,16 @@
-"""Regions: a destination piece cut along the source pieces that can fill it.
+"""Cuts: a destination piece cut along the source pieces that can fill it.
 
 For every destination piece the planner needs the parts of it that one source box covers, and
 who holds that box (its *holders*: every trainer rank and parameter with a piece of exactly that
 global box -- DP/CP/EDP replicas, TP-replicated tensors). :class:`SourceIndex` groups the source
-pieces of each global tensor by global box; :func:`dest_regions` cuts one destination piece
-into :class:`Region` records. Both are pure functions of the layouts, so every rank computes the
-same regions.
+pieces of each global tensor by global box; :func:`dest_cuts` cuts one destination piece
+into :class:`Cut` records. Both are pure functions of the layouts, so every rank computes the
+same cuts.
 
 fp8: a destination of dtype ``float8_e4m3fn`` is filled from a bf16 source through the
 ``fp8_quant`` transform; a destination piece of a ``*_scale_inv`` global tensor (``quant_of`` =
 the weight) is mapped to the weight region its blocks scale and filled through ``fp8_scale``.
-Either way every region must consist of whole blocks of one source piece, or a ValueError names
+Either way every cut must consist of whole blocks of one source piece, or a ValueError names
 the tensor.
 """
 
@@ -33,7 +33,7 @@ class Holder:
     piece: Piece
 
 
-class Region:
+class Cut:
     """One part of a destination piece that a single source box covers.
 
     ``global_name``/``global_box`` are in the destination's global coordinates (scale blocks for
@@ -66,7 +66,7 @@ class Region:
         self.nbytes = nbytes
 
     def source_box(self, i: int) -> Box:
-        """The local box of this region in holder ``i``'s tensor."""
+        """The local box of this cut in holder ``i``'s tensor."""
         return local_of(self.holders[i].piece, self.src_gbox)
 
 
@@ -245,24 +245,24 @@ def transform_for(src_dtype: str, dst: LocalTensor, gt: GlobalTensor, is_scale: 
 
 
 class Cutter:
-    """Cuts destination pieces into regions (:func:`dest_regions`), with caches: a piece of a
+    """Cuts destination pieces along the source pieces (:func:`dest_cuts`), with caches: a piece of a
     replicated tensor recurs on many engine ranks, and most pieces take the fast path (one source
     box holds the whole piece)."""
 
     def __init__(self, sources: SourceIndex, globals_: dict[str, GlobalTensor]) -> None:
         self.sources = sources
         self.globals = globals_
-        self._pieces: dict[tuple[str, str, Piece], list[Region]] = {}
+        self._pieces: dict[tuple[str, str, Piece], list[Cut]] = {}
 
-    def cut(self, dst: LocalTensor, piece: Piece) -> list[Region]:
-        """The regions of ``piece`` of ``dst`` (see :func:`dest_regions`)."""
+    def cut(self, dst: LocalTensor, piece: Piece) -> list[Cut]:
+        """The cuts of ``piece`` of ``dst`` (see :func:`dest_cuts`)."""
         key = (dst.name, dst.dtype, piece)
         got = self._pieces.get(key)
         if got is None:
             got = self._pieces[key] = self._cut(dst, piece)
         return got
 
-    def _cut(self, dst: LocalTensor, piece: Piece) -> list[Region]:
+    def _cut(self, dst: LocalTensor, piece: Piece) -> list[Cut]:
         name = piece.global_name
         gt = self.globals.get(name)
         if gt is None:
@@ -286,7 +286,7 @@ class Cutter:
             # fast path: one source box holds the whole piece; a scale box maps to whole blocks
             if transform == "fp8_quant":
                 self._check_blocks(want, gt, src_name, parts[0], dst)
-            return [Region(name, piece.global_box, dst.name, piece.local_box, src_name, want, parts[0][1], transform,
+            return [Cut(name, piece.global_box, dst.name, piece.local_box, src_name, want, parts[0][1], transform,
                            box_volume(piece.global_box) * isz)]
         return self._cut_parts(dst, piece, gt, src_name, want, parts, transform, is_scale)
 
@@ -303,9 +303,9 @@ class Cutter:
 
     def _cut_parts(self, dst: LocalTensor, piece: Piece, gt: GlobalTensor, src_name: str, want: Box,
                    parts: list[tuple[Box, tuple[Holder, ...]]], transform: str | None, is_scale: bool
-                   ) -> list[Region]:
+                   ) -> list[Cut]:
         isz = DTYPE_BYTES[dst.dtype]
-        regions: list[Region] = []
+        cuts: list[Cut] = []
         covered = 0
         need = box_volume(want)
         for part in parts:
@@ -315,7 +315,7 @@ class Cutter:
             if transform in ("fp8_quant", "fp8_scale"):
                 self._check_blocks(inter, gt, src_name, part, dst)
             gbox = weight_to_scale(inter, gt.block) if is_scale else inter  # type: ignore[arg-type]
-            regions.append(Region(gt.name, gbox, dst.name, local_of(piece, gbox), src_name, inter, part[1],
+            cuts.append(Cut(gt.name, gbox, dst.name, local_of(piece, gbox), src_name, inter, part[1],
                                   transform, box_volume(gbox) * isz))
             covered += box_volume(inter)
         if covered != need:
@@ -323,12 +323,12 @@ class Cutter:
                 f"the source ranks hold only {covered} of the {need} elements of {src_name} box {want} "
                 f"that {dst.name} needs"
             )
-        return regions
+        return cuts
 
 
-def dest_regions(dst: LocalTensor, piece: Piece, sources: SourceIndex, globals_: dict[str, GlobalTensor]
-                 ) -> list[Region]:
-    """Cut one destination piece into regions, each covered by one source box.
+def dest_cuts(dst: LocalTensor, piece: Piece, sources: SourceIndex, globals_: dict[str, GlobalTensor]
+                 ) -> list[Cut]:
+    """Cut one destination piece along the source boxes, each cut covered by one source box.
 
     Args:
         dst: the destination tensor.
@@ -337,10 +337,10 @@ def dest_regions(dst: LocalTensor, piece: Piece, sources: SourceIndex, globals_:
         globals_: the model's global tensors.
 
     Returns:
-        Regions in source-partition order.
+        Cuts in source-partition order.
 
     Raises:
         ValueError: unknown global tensor, a box outside the tensor, no source for part of the
-            piece, or fp8 regions that are not whole blocks of one source piece.
+            piece, or fp8 cuts that are not whole blocks of one source piece.
     """
     return Cutter(sources, globals_).cut(dst, piece)

@@ -1,8 +1,8 @@
-"""The regions of one engine rank as arrays, ready for the vectorized holder choice.
+"""The cuts of one engine rank as arrays, ready for the vectorized holder choice.
 
-An engine rank's regions are cut once (:func:`build_region_table`) and then expanded to every
+An engine rank's cuts are made once (:func:`build_cut_table`) and then expanded to every
 engine: only the holder choice and the destination rank differ between engines, so the
-per-op work is numpy. Holders are stored CSR-style: region ``i`` owns holder rows
+per-op work is numpy. Holders are stored CSR-style: cut ``i`` owns holder rows
 ``h_start[i] : h_start[i] + h_count[i]``.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from weightsync.layout.box import Box, LocalTensor
+from weightsync.plan.cuts import Cut, Cutter, normalize_pieces
 from weightsync.plan.ops import TRANSFORMS, box_is_contiguous
-from weightsync.plan.regions import Cutter, Region, normalize_pieces
 from weightsync.plan.table import MAX_DIMS, pad_box
 
 D = MAX_DIMS
@@ -23,7 +23,7 @@ D = MAX_DIMS
 
 class NameTable:
     """Interned names and shared rows of one plan: global tensors first (model order), then
-    parameters as they are met; and the holder rows of every region cut so far."""
+    parameters as they are met; and the holder rows of every cut made so far."""
 
     def __init__(self, global_names: Sequence[str]) -> None:
         self.globals = list(global_names)
@@ -57,16 +57,16 @@ class NameTable:
             got = self.padded[box] = pad_box(box)
         return got
 
-    def holder_start(self, reg: Region) -> int:
-        """First row of ``reg``'s holders in the shared holder table (added on first sight:
-        replicated regions recur on every rank and share rows)."""
-        key = (id(reg.holders), reg.src_gbox, reg.transform is None)
+    def holder_start(self, cut: Cut) -> int:
+        """First row of ``cut``'s holders in the shared holder table (added on first sight:
+        replicated cuts recur on every rank and share rows)."""
+        key = (id(cut.holders), cut.src_gbox, cut.transform is None)
         start = self._h_index.get(key)
         if start is None:
             start = self._h_index[key] = len(self._h_rows)
-            for k, h in enumerate(reg.holders):
-                sbox = reg.source_box(k)
-                zc = reg.transform is None and box_is_contiguous(h.tensor.shape, sbox)
+            for k, h in enumerate(cut.holders):
+                sbox = cut.source_box(k)
+                zc = cut.transform is None and box_is_contiguous(h.tensor.shape, sbox)
                 self._h_rows.append((h.rank, self.param(h.tensor.name), zc, len(sbox)))
                 self._h_boxes.append(self.pad(sbox))
             self._holders = None
@@ -86,7 +86,7 @@ class NameTable:
 
 @dataclass(eq=False)
 class HolderTable:
-    """Source side of regions: one row per (region class, holder)."""
+    """Source side of cuts: one row per (cut class, holder)."""
 
     rank: np.ndarray
     pid: np.ndarray
@@ -98,13 +98,13 @@ class HolderTable:
 
 
 @dataclass(eq=False)
-class RegionTable:
-    """Regions of engine rank ``rank``; region ``i`` has holder rows
+class CutTable:
+    """Cuts of engine rank ``rank``; cut ``i`` has holder rows
     ``h_start[i] : h_start[i] + h_count[i]`` of the plan's :class:`HolderTable`."""
 
     rank: int
     j: np.ndarray
-    """Index of the region within its destination tensor."""
+    """Index of the cut within its destination tensor."""
     gid: np.ndarray
     src_ord: np.ndarray
     """Ordinal of the source global tensor in the model's order (the choice rule's offset)."""
@@ -124,9 +124,9 @@ class RegionTable:
         return len(self.gid)
 
 
-def build_region_table(tensors: Sequence[LocalTensor], rank: int, cutter: Cutter, names: NameTable,
-                       only: set[int] | None = None) -> RegionTable:
-    """Cut every written tensor of one engine rank into regions and tabulate them.
+def build_cut_table(tensors: Sequence[LocalTensor], rank: int, cutter: Cutter, names: NameTable,
+                    only: set[int] | None = None) -> CutTable:
+    """Cut every written tensor of one engine rank along the source pieces and tabulate the cuts.
 
     Args:
         tensors: the engine rank's layout.
@@ -136,7 +136,7 @@ def build_region_table(tensors: Sequence[LocalTensor], rank: int, cutter: Cutter
         only: indexes of the tensors to cut (default: all).
 
     Returns:
-        The table, regions in layout order.
+        The table, cuts in layout order.
     """
     ordinal = names.gid
     tmap = {t: i for i, t in enumerate(TRANSFORMS)}
@@ -146,18 +146,18 @@ def build_region_table(tensors: Sequence[LocalTensor], rank: int, cutter: Cutter
     for i, t in enumerate(tensors):
         if t.derived or (only is not None and i not in only):
             continue
-        regions: list[Region] = []
+        cuts: list[Cut] = []
         for p in normalize_pieces(t):
-            regions.extend(cutter.cut(t, p))
+            cuts.extend(cutter.cut(t, p))
         dpid = names.param(t.name)
-        for j, reg in enumerate(regions):
-            rows.append((j, names.global_id(reg.global_name), ordinal[reg.src_global], dpid, tmap[reg.transform],
-                         reg.nbytes, len(reg.global_box), len(reg.dst_box), names.holder_start(reg),
-                         len(reg.holders)))
-            boxes.append(pad(reg.global_box) + pad(reg.dst_box))
+        for j, cut in enumerate(cuts):
+            rows.append((j, names.global_id(cut.global_name), ordinal[cut.src_global], dpid, tmap[cut.transform],
+                         cut.nbytes, len(cut.global_box), len(cut.dst_box), names.holder_start(cut),
+                         len(cut.holders)))
+            boxes.append(pad(cut.global_box) + pad(cut.dst_box))
     r = np.array(rows, dtype=np.int64).reshape(len(rows), 10)
     rb = np.array(boxes, dtype=np.int32).reshape(len(boxes), 4 * D)
-    return RegionTable(
+    return CutTable(
         rank=rank, j=r[:, 0], gid=r[:, 1].astype(np.int32), src_ord=r[:, 2], dst_pid=r[:, 3].astype(np.int32),
         transform=r[:, 4].astype(np.int8), nbytes=r[:, 5], g_nd=r[:, 6].astype(np.int8),
         d_nd=r[:, 7].astype(np.int8), h_start=r[:, 8], h_count=r[:, 9],
