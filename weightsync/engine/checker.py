@@ -1,20 +1,31 @@
-"""The weight checker of one engine rank: snapshot, reset, bitwise compare, per-tensor checksums.
+"""The weight checker of one engine rank: snapshot, reset, compare, per-tensor checksums
+(sglang's ``/weights_checker``, ``utils/weight_checker.py``).
 
 The correctness gate of a weight update (``--check-weight-update-equal``): snapshot the weights
-loaded from the checkpoint, reset them to random values, run the update, compare bit for bit.
+loaded from the checkpoint, reset them to random values, run the update, compare.
 
 ``reset_tensors`` poisons exactly what an update writes: the regions covered by pieces of
 global tensors, and derived tensors (recomputed by ``end_weight_update``). Padding (vocab rows
 beyond the vocab) is left alone: it is zero from allocation and no update writes it, so a
-compare after an update must find it unchanged too.
+compare after an update must find it unchanged too. Tensors whose name contains a
+``skip_tensor_list`` substring are left alone by reset and not compared (sglang's skip rule).
 
 Compare is bitwise (raw bytes, NaN-safe); every mismatching tensor is reported with its max
-absolute difference (as float32) and the count of differing elements.
+absolute difference (as float32) and the count of differing elements. With
+``allow_quant_error`` a block-fp8 weight and its ``weight_scale_inv`` are compared as one
+dequantized tensor instead, and pass when every element is within one fp8 ULP of each side
+(scaled by its block scale), sglang's ``Fp8BlockComparable`` rule.
+
+Checksums are xxh64 of each tensor's raw bytes (sglang hashes dequantized weights with its own
+hash), so they compare between engines of this project and with the trainer's expectation
+(:mod:`weightsync.launch.validate`), not with a real sglang's.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import xxhash
@@ -22,6 +33,7 @@ import xxhash
 from weightsync.sync.params import ParamStore
 
 FP8 = torch.float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -36,26 +48,62 @@ def _random_fill(region: torch.Tensor, gen: torch.Generator) -> None:
         region.copy_((values * 100).to(region.dtype).to(region.device))
 
 
+def _skipped(name: str, skip: Sequence[str]) -> bool:
+    return any(s in name for s in skip)
+
+
+def quant_ulp(q: torch.Tensor) -> torch.Tensor:
+    """Per-element ULP of ``q`` in its own (float8) dtype, as float32; zeros and subnormals get
+    the spacing of the smallest normal binade (sglang ``ComparableWeight._quant_ulp``)."""
+    finfo = torch.finfo(q.dtype)
+    x = q.float().abs()
+    _, exponent = torch.frexp(x)
+    binade = torch.exp2((exponent - 1).float()).masked_fill(x < finfo.smallest_normal, finfo.smallest_normal)
+    return binade * finfo.eps
+
+
+def block_dequant(values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``values * scale_inv`` per block (blocks of ``k // scale_k`` square, the last two dims)."""
+    n, k = values.shape[-2:]
+    block = -(-k // scale_inv.shape[-1])
+    s = scale_inv.float().repeat_interleave(block, dim=-2)[..., :n, :].repeat_interleave(block, dim=-1)[..., :k]
+    return values.float() * s
+
+
+def _diff(expect: torch.Tensor, actual: torch.Tensor) -> dict[str, Any]:
+    diff = (expect.float() - actual.float()).abs()
+    differs = _bytes(expect).view(-1, expect.element_size()).ne(_bytes(actual).view(-1, actual.element_size())).any(1)
+    return {"max_abs_diff": float(diff.nan_to_num(float("inf")).max()), "num_diff": int(differs.sum())}
+
+
 class WeightChecker:
     """Checker state of one rank (the snapshot lives in host memory)."""
 
-    def __init__(self, store: ParamStore) -> None:
+    def __init__(self, store: ParamStore, parallelism_info: dict[str, Any] | None = None) -> None:
+        """Args:
+        store: the rank's parameters.
+        parallelism_info: sglang's ``ParallelismInfo`` of this rank (reported with checksums).
+        """
         self.store = store
+        self.parallelism_info = dict(parallelism_info or {})
         self._snapshot: dict[str, torch.Tensor] | None = None
 
     def snapshot(self) -> dict[str, int]:
-        """Copy every parameter to host memory (replacing an older snapshot)."""
+        """Copy every parameter to host memory (replacing an older snapshot; kept until then)."""
         self._snapshot = {n: t.detach().to("cpu", copy=True) for n, t in self.store.items()}
         return {
             "num_tensors": len(self._snapshot),
             "nbytes": sum(t.numel() * t.element_size() for t in self._snapshot.values()),
         }
 
-    def reset_tensors(self, seed: int = 0) -> dict[str, int]:
-        """Overwrite every written region and every derived tensor with random values."""
+    def reset_tensors(self, seed: int = 0, skip: Sequence[str] = ()) -> dict[str, int]:
+        """Overwrite every written region and every derived tensor with random values (except
+        tensors named by a ``skip`` substring)."""
         gen = torch.Generator().manual_seed(seed)
         count = 0
         for name, t in self.store.items():
+            if _skipped(name, skip):
+                continue
             meta = self.store.meta[name]
             if meta.derived:
                 _random_fill(t, gen)
@@ -64,45 +112,76 @@ class WeightChecker:
             count += 1
         return {"num_tensors": count}
 
-    def compare(self) -> dict[str, object]:
-        """Compare every parameter with the snapshot, bit for bit.
+    def _fp8_pairs(self) -> dict[str, str]:
+        """fp8 weight name -> its scale's name, for the weights that have one here."""
+        return {
+            n: n + SCALE_SUFFIX
+            for n, t in self.store.items()
+            if t.dtype == FP8 and n + SCALE_SUFFIX in self.store and t.dim() >= 2
+        }
+
+    def compare(self, allow_quant_error: bool = False, skip: Sequence[str] = ()) -> dict[str, Any]:
+        """Compare every parameter with the snapshot.
+
+        Args:
+            allow_quant_error: compare block-fp8 weights dequantized, within one ULP per side.
+            skip: name substrings of tensors not to compare.
 
         Returns:
             ``{"equal": bool, "num_tensors": n, "mismatches": [{"name", "max_abs_diff",
-            "num_diff"}...]}``.
+            "num_diff"}...]}``; with ``allow_quant_error`` also ``"within_quant_error"``: the
+            fp8 weights that differ bitwise but within the tolerance.
 
         Raises:
             ValueError: no snapshot was taken.
         """
         if self._snapshot is None:
             raise ValueError("weights_checker compare: no snapshot (call the 'snapshot' action first)")
-        mismatches = []
+        pairs = self._fp8_pairs() if allow_quant_error else {}
+        scales = set(pairs.values())
+        mismatches: list[dict[str, Any]] = []
+        tolerated: list[str] = []
         for name, t in self.store.items():
-            expect = self._snapshot[name]
-            actual = t.detach().to("cpu")
-            if torch.equal(_bytes(expect), _bytes(actual)):
+            if _skipped(name, skip) or name in scales:
                 continue
-            diff = (expect.float() - actual.float()).abs()
-            differs = (
-                _bytes(expect)
-                .view(-1, expect.element_size())
-                .ne(_bytes(actual).view(-1, actual.element_size()))
-                .any(dim=1)
-            )
-            mismatches.append(
-                {
-                    "name": name,
-                    "max_abs_diff": float(diff.nan_to_num(float("inf")).max()),
-                    "num_diff": int(differs.sum()),
-                }
-            )
-        return {"equal": not mismatches, "num_tensors": len(self._snapshot), "mismatches": mismatches}
+            expect, actual = self._snapshot[name], t.detach().to("cpu")
+            if name in pairs:
+                s_name = pairs[name]
+                s_expect, s_actual = self._snapshot[s_name], self.store[s_name].detach().to("cpu")
+                if torch.equal(_bytes(expect), _bytes(actual)) and torch.equal(_bytes(s_expect), _bytes(s_actual)):
+                    continue
+                a, b = block_dequant(expect, s_expect), block_dequant(actual, s_actual)
+                tol = block_dequant(quant_ulp(expect), s_expect) + block_dequant(quant_ulp(actual), s_actual)
+                exceed = int((~((a - b).abs() <= tol)).sum())  # NaN counts as exceeding
+                if exceed == 0:
+                    tolerated.append(name)
+                    continue
+                diff = (a - b).abs()
+                mismatches.append(
+                    {"name": name, "max_abs_diff": float(diff.nan_to_num(float("inf")).max()), "num_diff": exceed}
+                )
+                continue
+            if not torch.equal(_bytes(expect), _bytes(actual)):
+                mismatches.append({"name": name, **_diff(expect, actual)})
+        out: dict[str, Any] = {"equal": not mismatches, "num_tensors": len(self._snapshot), "mismatches": mismatches}
+        if allow_quant_error:
+            out["within_quant_error"] = tolerated
+        return out
 
-    def checksum(self) -> dict[str, object]:
-        """xxh64 of each parameter's bytes, and one digest over all (name-sorted)."""
-        sums = {name: xxhash.xxh64(_bytes(t.detach().to("cpu")).numpy()).hexdigest() for name, t in self.store.items()}
+    def checksum(self, skip: Sequence[str] = ()) -> dict[str, Any]:
+        """xxh64 of each parameter's bytes, one digest over all (name-sorted), and this rank's
+        ``parallelism_info`` (sglang's ``ChecksumInfo`` shape: a list, one entry per role)."""
+        sums = {
+            name: xxhash.xxh64(_bytes(t.detach().to("cpu")).numpy()).hexdigest()
+            for name, t in self.store.items()
+            if not _skipped(name, skip)
+        }
         overall = hashlib.sha256()
         for name in sorted(sums):
             overall.update(name.encode())
             overall.update(sums[name].encode())
-        return {"checksums": sums, "per_rank_checksum": overall.hexdigest()}
+        return {
+            "checksums": sums,
+            "per_gpu_checksum": overall.hexdigest(),
+            "parallelism_info": [{"role": "target", **self.parallelism_info}] if self.parallelism_info else [],
+        }

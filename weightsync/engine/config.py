@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TRANSFER_INFO_FORMATS = ("weightsync", "sglang")
+
 GRACEFUL_SHUTDOWN_S = 5
 """On stop, requests still waiting after this long (e.g. queued behind a pause) are cancelled."""
 
@@ -54,6 +56,10 @@ class ServeConfig:
     cpu_threads: int = 1
     """torch intra-op threads per rank on CPU (tiny models are fastest on one; more oversubscribes
     a small machine running several ranks)."""
+    transfer_info_format: str = "weightsync"
+    """What ``/get_remote_instance_transfer_engine_info`` publishes: ``weightsync`` (sglang's
+    ``[session_id, weights_info]`` plus this project's transport descriptor) or ``sglang`` (exactly
+    sglang's pair, as a real sglang server publishes it; senders then need Mooncake)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -66,5 +72,8 @@ class ServeConfig:
             raise ValueError("no --checkpoint: pass one, or --load-format dummy for synthetic weights")
         if self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.transfer_info_format not in TRANSFER_INFO_FORMATS:
+            choices = ", ".join(TRANSFER_INFO_FORMATS)
+            raise ValueError(f"transfer_info_format must be one of {choices}, got {self.transfer_info_format!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")

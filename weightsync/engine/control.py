@@ -39,10 +39,11 @@ class Op(enum.StrEnum):
     LOAD_DUMMY = "load_dummy"  # seed -> LoadStats
     POST_LOAD = "post_load"  # -> seconds
     TRANSFER_INFO = "transfer_info"  # -> (session_id, {name: [ptr, numel, elem_size]}, descriptor | None)
-    CHECK_WEIGHTS = "check_weights"  # action, seed -> dict
+    CHECK_WEIGHTS = "check_weights"  # action, seed, allow_quant_error, skip -> dict
     INIT_GROUP = "init_group"  # master_address, master_port, rank_offset, world_size, group_name, backend
     UPDATE_FROM_DISTRIBUTED = "update_from_distributed"  # names, dtypes, shapes, group_name -> dict
     DESTROY_GROUP = "destroy_group"  # group_name
+    UPDATE_FROM_TENSOR = "update_from_tensor"  # entries (one per rank), load_format -> dict
     SHUTDOWN = "shutdown"
 
 
@@ -97,13 +98,16 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
             case Op.TRANSFER_INFO:
                 value = engine.transfer_info()
             case Op.CHECK_WEIGHTS:
-                value = _check(engine, a["action"], a.get("seed", 0))
+                value = _check(engine, a["action"], a.get("seed", 0), a.get("allow_quant_error", False),
+                               a.get("skip", ()))
             case Op.INIT_GROUP:
                 value = engine.broadcast.init_group(**a)
             case Op.UPDATE_FROM_DISTRIBUTED:
                 value = engine.broadcast.receive(**a)
             case Op.DESTROY_GROUP:
                 value = engine.broadcast.destroy_group(a["group_name"])
+            case Op.UPDATE_FROM_TENSOR:
+                value = engine.update_from_tensor(a["entries"], a["load_format"])
             case Op.SHUTDOWN:
                 value = None
     except Exception as exc:  # shipped to rank 0 with its traceback and re-raised there as RankError
@@ -114,16 +118,16 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
     return Reply(rank=engine.rank, ok=True, value=value)
 
 
-def _check(engine: Engine, action: str, seed: int) -> dict[str, Any]:
+def _check(engine: Engine, action: str, seed: int, allow_quant_error: bool, skip: tuple[str, ...]) -> dict[str, Any]:
     checker = engine.checker
     if action == "snapshot":
         return checker.snapshot()
     if action == "reset_tensors":
-        return checker.reset_tensors(seed)
+        return checker.reset_tensors(seed, skip)
     if action == "compare":
-        return checker.compare()
+        return checker.compare(allow_quant_error, skip)
     if action == "checksum":
-        return checker.checksum()
+        return checker.checksum(skip)
     raise ValueError(f"unknown weights_checker action {action!r}; use snapshot, reset_tensors, compare or checksum")
 
 

@@ -19,6 +19,8 @@ Typical usage::
 from __future__ import annotations
 
 import logging
+import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,12 +31,14 @@ from weightsync.engine.checker import WeightChecker
 from weightsync.engine.loader import LoadStats, load_checkpoint, load_dummy, run_post_load
 from weightsync.engine.model import Model
 from weightsync.engine.sampling import SamplingParams, prompt_logprobs, sample_tokens
+from weightsync.engine.tensor_payload import decode_named_tensors
 from weightsync.engine.tp import EngineGroups
 from weightsync.layout.sglang import engine_layout
 from weightsync.models.spec import ModelSpec
-from weightsync.sync.broadcast_receiver import BroadcastReceiver
+from weightsync.sync.broadcast_receiver import BroadcastReceiver, check_update_request
 from weightsync.sync.p2p_receiver import Receiver
-from weightsync.sync.params import ParamStore
+from weightsync.sync.params import ParamStore, write_global
+from weightsync.transport import TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +53,33 @@ class GenRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     """First prompt position whose logprob is returned; -1: no prompt logprobs (sglang default)."""
+    top_logprobs_num: int = 0
+    """With ``return_logprob``: the top-N alternatives of every returned position."""
+    token_ids_logprob: tuple[int, ...] = ()
+    """With ``return_logprob``: the logprobs of these tokens at every returned position."""
+    prior_output_ids: tuple[int, ...] = ()
+    """Tokens this request generated before it was retracted (the tail of ``input_ids``): they
+    count toward ``max_new_tokens``, ``min_new_tokens``, penalties and stop strings."""
+
+
+TopLogprobs = list[tuple[float, int]]
+"""``(logprob, token id)`` alternatives of one position."""
 
 
 @dataclass(kw_only=True, slots=True)
 class GenResult:
-    """The outcome of one request (rank 0)."""
+    """The outcome of one request (rank 0); the token lists hold what this run generated."""
 
     rid: str
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    output_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
+    input_top_logprobs: list[TopLogprobs | None] | None = None
+    input_token_ids_logprobs: list[TopLogprobs | None] | None = None
     finish_reason: dict[str, object] | None = None
+    num_retractions: int = 0
 
 
 class Engine:
@@ -79,10 +99,25 @@ class Engine:
         self.groups = groups
         self.rank = groups.rank
         self.model = Model(spec, store, groups, compute_dtype)
-        self.checker = WeightChecker(store)
+        c = groups.coords
+        self.checker = WeightChecker(
+            store,
+            parallelism_info={
+                "tp_rank": c.tp_rank,
+                "tp_size": c.tp_size,
+                "dp_rank": c.attn_dp_rank,
+                "dp_size": c.attn_dp_size,
+                "pp_rank": 0,
+                "pp_size": 1,
+                "rank": groups.rank,
+                "size": groups.world,
+            },
+        )
         self.broadcast = BroadcastReceiver(store, spec, groups.rank)
         self.p2p = p2p if p2p is not None else Receiver("none", None, None, groups.rank)
         self.eos_token_ids = eos_token_ids
+        self.decode: Callable[[list[int]], str] | None = None
+        """Rank 0's detokenizer (stop strings); set by the server."""
         self._seed_gen = torch.Generator().manual_seed(1234 + groups.rank)
 
     @classmethod
@@ -93,8 +128,7 @@ class Engine:
         *,
         device: torch.device,
         compute_dtype: torch.dtype | None = None,
-        transport: str = "none",
-        transport_options: dict[str, Any] | None = None,
+        transport: TransportConfig | None = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> Engine:
         """Allocate the rank's parameters (zeros) in the sglang layout and build the model.
@@ -104,13 +138,12 @@ class Engine:
             groups: this rank's groups (``groups.par`` is the engine's parallel config).
             device: parameter and compute device.
             compute_dtype: activation dtype (default: float32 on CPU, the spec's dtype on CUDA).
-            transport: the p2p transport the parameters are registered with
-                (:data:`weightsync.sync.p2p_receiver.RECEIVER_TRANSPORTS`; ``none``: a plain allocation).
-            transport_options: the transport's constructor options.
+            transport: the p2p transport the parameters are registered with (its kind one of
+                :data:`weightsync.sync.p2p_receiver.RECEIVER_TRANSPORTS`); None: a plain allocation.
             eos_token_ids: tokens that end a request unless it sets ``ignore_eos``.
         """
         layout = engine_layout(spec, groups.par, groups.rank)
-        p2p, store = Receiver.open(transport, layout, device=device, rank=groups.rank, options=transport_options)
+        p2p, store = Receiver.open(transport, layout, device=device, rank=groups.rank)
         if compute_dtype is None:
             compute_dtype = torch.float32 if device.type == "cpu" else getattr(torch, spec.dtype)
         logger.info("[rank%d] allocated %d parameters, %.1f MB", groups.rank, len(layout), store.nbytes / 1e6)
@@ -128,9 +161,53 @@ class Engine:
         """Recompute derived tensors; seconds."""
         return run_post_load(self.store, self.spec)
 
+    def update_from_tensor(self, entries: list[str], load_format: str | None) -> dict[str, Any]:
+        """``/update_weights_from_tensor`` on this rank: decode entry ``rank`` and write it.
+
+        ``load_format`` None or ``"flattened_bucket"``: full HF tensors (each rank keeps its
+        pieces, fp8 weights quantized on arrival as on the broadcast path); ``"direct"``: this
+        rank's parameters by their own names, copied as they are.
+
+        Raises:
+            ValueError: a missing entry, an undecodable payload, unknown names, wrong shapes or
+                dtypes (all offenders named); nothing is written then.
+        """
+        if len(entries) <= self.rank:
+            raise ValueError(
+                f"serialized_named_tensors has {len(entries)} entries; engine rank {self.rank} needs its own "
+                f"(one entry per TP rank)"
+            )
+        pairs = decode_named_tensors(entries[self.rank], load_format)
+        t0 = time.perf_counter()
+        nbytes = 0
+        if load_format == "direct":
+            bad = [
+                f"{n}: {list(t.shape)} {t.dtype}" for n, t in pairs
+                if n not in self.store or self.store[n].shape != t.shape or self.store[n].dtype != t.dtype
+            ]
+            if bad:
+                raise ValueError(f"update_weights_from_tensor (direct) refused {len(bad)} tensors: " + "; ".join(bad))
+            for n, t in pairs:
+                self.store[n].copy_(t)
+                nbytes += t.numel() * t.element_size()
+        else:
+            check_update_request(
+                self.spec, [n for n, _ in pairs], [str(t.dtype) for _, t in pairs], [list(t.shape) for _, t in pairs]
+            )
+            for n, t in pairs:
+                nbytes += write_global(self.store, self.spec, n, lambda box, t=t: t[tuple(slice(a, b) for a, b in box)])
+        return {"num_tensors": len(pairs), "nbytes": nbytes, "seconds": time.perf_counter() - t0}
+
     def transfer_info(self) -> tuple[str, dict[str, list[int]], dict[str, Any] | None]:
-        """``(session id, {name: [ptr, numel, element_size]}, transport descriptor or None)``."""
-        return self.p2p.session_id, self.store.transfer_info(), self.p2p.descriptor()
+        """``(session id, {name: [ptr, numel, element_size]}, transport descriptor or None)``.
+
+        Like sglang, only the model's parameters are listed: derived tensors (MLA ``w_kc`` /
+        ``w_vc``, which sglang keeps as plain attributes computed in post-load) are left out, so
+        no sender can address them; ``end_weight_update`` recomputes them.
+        """
+        derived = set(self.store.derived_names())
+        weights = {n: v for n, v in self.store.transfer_info().items() if n not in derived}
+        return self.p2p.session_id, weights, self.p2p.descriptor()
 
     def close(self) -> None:
         self.broadcast.close()
@@ -165,11 +242,16 @@ class Engine:
 
         Returns:
             One :class:`GenResult` per request on rank 0 (other ranks: results without tokens).
+
+        Raises:
+            ValueError: a request has stop strings and this rank has no :attr:`decode`.
         """
+        if self.rank == 0 and self.decode is None and any(r.sampling.stop_strs or r.sampling.stop_regex for r in reqs):
+            raise ValueError("stop strings need a tokenizer: set Engine.decode")
         dev = self.store.device
         prompts = [list(r.input_ids) for r in reqs]
         lens = torch.tensor([len(p) for p in prompts])
-        total = max(len(p) + r.sampling.max_new_tokens for p, r in zip(prompts, reqs))
+        total = max(len(p) + self._remaining(r) for p, r in zip(prompts, reqs))
         cache = self.model.new_cache(len(reqs), total)
         ids, positions = self._padded(prompts)
         hidden = self.model.hidden(ids, positions, cache)
@@ -180,12 +262,32 @@ class Engine:
             last = full[rows, lens.to(dev) - 1]
             for b, r in enumerate(reqs):
                 if r.return_logprob and r.logprob_start_len >= 0:
-                    lp = prompt_logprobs(full[b, : len(prompts[b])], prompts[b])
-                    results[b].input_logprobs = lp[r.logprob_start_len :]
+                    self._prompt_logprobs(r, results[b], full[b, : len(prompts[b])])
         else:
             last = self.model.logits(hidden[rows, lens.to(dev) - 1])
         self._decode(reqs, results, lens.clone(), total, cache, last, should_abort)
         return results
+
+    @staticmethod
+    def _remaining(req: GenRequest) -> int:
+        return req.sampling.max_new_tokens - len(req.prior_output_ids)
+
+    def _prompt_logprobs(self, req: GenRequest, res: GenResult, logits: torch.Tensor) -> None:
+        """Prompt logprobs from ``logprob_start_len`` on (and their alternatives when asked)."""
+        prompt = list(req.input_ids)
+        start = req.logprob_start_len
+        res.input_logprobs = prompt_logprobs(logits, prompt)[start:]
+        if not (req.top_logprobs_num or req.token_ids_logprob):
+            return
+        logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+        # position i is predicted from position i - 1; the first prompt token has no distribution
+        dists: list[torch.Tensor | None] = [None, *logp[:-1]]
+        if req.top_logprobs_num:
+            res.input_top_logprobs = [None if d is None else _top(d, req.top_logprobs_num) for d in dists[start:]]
+        if req.token_ids_logprob:
+            res.input_token_ids_logprobs = [
+                None if d is None else _picked(d, req.token_ids_logprob) for d in dists[start:]
+            ]
 
     def _decode(
         self,
@@ -207,16 +309,17 @@ class Engine:
         num = len(reqs)
         gens = [
             torch.Generator().manual_seed(
-                r.sampling.sampling_seed
+                # a resumed request continues on a generator of its own seed and progress
+                r.sampling.sampling_seed + len(r.prior_output_ids)
                 if r.sampling.sampling_seed is not None
                 else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
             )
             for r in reqs
         ]
-        done = [r.sampling.max_new_tokens == 0 for r in reqs]
+        done = [self._remaining(r) <= 0 for r in reqs]
         for b in range(num):
             if done[b]:
-                results[b].finish_reason = {"type": "length", "length": 0}
+                results[b].finish_reason = {"type": "length", "length": reqs[b].sampling.max_new_tokens}
         while True:
             ctrl = torch.zeros(2 * num + 1, dtype=torch.int64)
             if self.rank == 0:
@@ -229,6 +332,9 @@ class Engine:
             hidden = self.model.hidden(tokens[:, None], pos[:, None], cache)
             cur = cur + advance.cpu().to(cur.dtype)
             logits = self.model.logits(hidden[:, 0])
+
+    def _stop_ids(self, req: GenRequest) -> set[int]:
+        return set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else set(self.eos_token_ids))
 
     def _step(
         self,
@@ -248,26 +354,64 @@ class Engine:
         if should_abort is not None and should_abort():
             for b in active:
                 done[b] = True
-                results[b].finish_reason = {
-                    "type": "abort",
-                    "message": "generation aborted (pause_generation or shutdown)",
-                }
+                results[b].finish_reason = {"type": "abort", "message": "Aborted"}
             return
-        tokens, logps = sample_tokens(logits[active], [reqs[b].sampling for b in active], [gens[b] for b in active])
+        histories = [[*reqs[b].prior_output_ids, *results[b].output_ids] for b in active]
+        tokens, logps, dists = sample_tokens(
+            logits[active],
+            [reqs[b].sampling for b in active],
+            [gens[b] for b in active],
+            histories=histories,
+            stop_ids=[sorted(self._stop_ids(reqs[b])) for b in active],
+        )
         for k, b in enumerate(active):
-            self._append(reqs[b], results[b], int(tokens[k]), float(logps[k]))
+            self._append(reqs[b], results[b], int(tokens[k]), float(logps[k]), dists[k])
             done[b] = results[b].finish_reason is not None
             ctrl[b] = tokens[k]
             ctrl[num + b] = 1
         ctrl[-1] = int(not all(done))
 
-    def _append(self, req: GenRequest, res: GenResult, tok: int, logp: float) -> None:
+    def _append(self, req: GenRequest, res: GenResult, tok: int, logp: float, dist: torch.Tensor) -> None:
         """Record a row's new token; set its finish reason when it stops."""
         res.output_ids.append(tok)
         if req.return_logprob:
             res.output_logprobs.append(logp)
-        stops = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else set(self.eos_token_ids))
-        if tok in stops:
+            if req.top_logprobs_num:
+                res.output_top_logprobs.append(_top(dist, req.top_logprobs_num))
+            if req.token_ids_logprob:
+                res.output_token_ids_logprobs.append(_picked(dist, req.token_ids_logprob))
+        sp = req.sampling
+        generated = len(req.prior_output_ids) + len(res.output_ids)
+        if generated < sp.min_new_tokens:  # stop tokens were masked; stop strings wait too
+            return
+        if tok in self._stop_ids(req):
             res.finish_reason = {"type": "stop", "matched": tok}
-        elif len(res.output_ids) >= req.sampling.max_new_tokens:
-            res.finish_reason = {"type": "length", "length": req.sampling.max_new_tokens}
+            return
+        if sp.stop_strs or sp.stop_regex:
+            assert self.decode is not None
+            matched = _match_stop(self.decode([*req.prior_output_ids, *res.output_ids]), sp.stop_strs, sp.stop_regex)
+            if matched is not None:
+                res.finish_reason = {"type": "stop", "matched": matched}
+                return
+        if generated >= sp.max_new_tokens:
+            res.finish_reason = {"type": "length", "length": sp.max_new_tokens}
+
+
+def _top(dist: torch.Tensor, n: int) -> TopLogprobs:
+    values, ids = dist.topk(min(n, dist.numel()))
+    return list(zip(values.tolist(), ids.tolist()))
+
+
+def _picked(dist: torch.Tensor, ids: tuple[int, ...]) -> TopLogprobs:
+    return [(float(dist[i]), i) for i in ids]
+
+
+def _match_stop(text: str, stop_strs: tuple[str, ...], stop_regex: tuple[str, ...]) -> str | None:
+    """The first stop string contained in ``text``, or the first pattern found in it."""
+    for s in stop_strs:
+        if s and s in text:
+            return s
+    for pattern in stop_regex:
+        if re.search(pattern, text):
+            return pattern
+    return None

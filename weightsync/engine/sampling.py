@@ -1,14 +1,22 @@
-"""Sampling parameters, token selection and log-probabilities (rank 0 samples, then broadcasts).
+"""Sampling parameters, logit processing, token selection and log-probabilities (rank 0 samples,
+then broadcasts).
+
+Order of operations per row and step (sglang's): the raw logits get the ``logit_bias``, the
+penalties over the tokens generated so far (repetition: divide positive / multiply negative
+logits; frequency: minus ``count * f``; presence: minus ``p`` once seen) and, until
+``min_new_tokens`` are out, the stop tokens masked; then temperature; then top-k, top-p and
+min-p truncation of the probabilities, and one draw.
 
 Log-probability conventions (sglang's): a generated token's logprob is taken from the
-distribution it was sampled from before top-p/top-k truncation, i.e. ``log_softmax(logits /
-temperature)`` (plain ``log_softmax(logits)`` for greedy, ``temperature == 0``); prompt tokens'
-logprobs come from ``log_softmax(logits)`` at the previous position (the first prompt token
-has none).
+distribution it was sampled from before top-p/top-k/min-p truncation, i.e. ``log_softmax(processed
+logits / temperature)`` (plain ``log_softmax`` for greedy, ``temperature == 0``); prompt tokens'
+logprobs come from ``log_softmax(logits)`` at the previous position (the first prompt token has
+none).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +24,7 @@ import torch
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
-    """Per-request sampling settings (sglang ``sampling_params`` subset)."""
+    """Per-request sampling settings (sglang ``sampling_params``, already normalized)."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -24,8 +32,19 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     """-1 = all tokens."""
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop_strs: tuple[str, ...] = field(default_factory=tuple)
+    """Stop strings (sglang ``stop``): generation ends when the decoded output contains one."""
+    stop_regex: tuple[str, ...] = field(default_factory=tuple)
+    """Stop patterns (sglang ``stop_regex``), searched in the decoded output."""
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    """``(token id, bias)`` pairs added to the logits."""
     sampling_seed: int | None = None
     """Seed of this request's generator (None: drawn from the engine's generator)."""
 
@@ -38,10 +57,58 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}"
+            )
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
-def _truncate(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    """Zero all but the top-k tokens and the smallest nucleus of mass >= top_p (then renormalize)."""
+def process_logits(
+    logits: torch.Tensor, sp: SamplingParams, output_ids: Sequence[int], stop_ids: Sequence[int]
+) -> torch.Tensor:
+    """Bias, penalties and the ``min_new_tokens`` mask applied to one row's float32 logits.
+
+    Args:
+        logits: ``[vocab]`` float32 (not modified).
+        sp: the row's sampling parameters.
+        output_ids: the tokens generated so far (before a pause too).
+        stop_ids: stop tokens masked while fewer than ``min_new_tokens`` were generated.
+
+    Returns:
+        The processed logits (a new tensor, or ``logits`` itself when nothing applies).
+    """
+    if not (sp.logit_bias or sp.penalized or (stop_ids and len(output_ids) < sp.min_new_tokens)):
+        return logits
+    out = logits.clone()
+    for tok, bias in sp.logit_bias:
+        out[tok] += bias
+    if sp.penalized and output_ids:
+        ids = torch.tensor(list(output_ids), dtype=torch.int64)
+        counts = torch.bincount(ids, minlength=out.numel()).to(out.dtype)
+        seen = counts > 0
+        if sp.repetition_penalty != 1.0:
+            out = torch.where(seen & (out > 0), out / sp.repetition_penalty, out)
+            out = torch.where(seen & (out <= 0), out * sp.repetition_penalty, out)
+        out -= sp.frequency_penalty * counts + sp.presence_penalty * seen.to(out.dtype)
+    if stop_ids and len(output_ids) < sp.min_new_tokens:
+        out[torch.tensor(sorted(set(stop_ids)), dtype=torch.int64)] = float("-inf")
+    return out
+
+
+def _truncate(probs: torch.Tensor, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """Zero all but the top-k tokens, the smallest nucleus of mass >= top_p, and tokens below
+    ``min_p`` times the top probability (then renormalize)."""
     sorted_p, order = probs.sort(descending=True)
     keep = torch.ones_like(sorted_p, dtype=torch.bool)
     if top_k > 0:
@@ -49,37 +116,48 @@ def _truncate(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     if top_p < 1.0:
         # Keep a token while the mass before it is below top_p (the top token always stays).
         keep &= (sorted_p.cumsum(0) - sorted_p) < top_p
+    if min_p > 0.0:
+        # relative to the top probability, so renormalizing after top-k/top-p changes nothing
+        keep &= sorted_p >= min_p * sorted_p[0]
     kept = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
     return kept / kept.sum()
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    histories: list[Sequence[int]] | None = None,
+    stop_ids: list[Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
     Args:
         logits: ``[B, vocab]`` float32.
         params: one :class:`SamplingParams` per row.
         generators: one CPU generator per row (advanced by sampling).
+        histories: per row, the tokens generated so far (penalties, ``min_new_tokens``).
+        stop_ids: per row, the stop tokens ``min_new_tokens`` holds back.
 
     Returns:
-        ``(tokens [B] int64, logprobs [B] float32)`` on CPU.
+        ``(tokens [B] int64, logprobs [B] float32, logprob rows [B, vocab] float32)`` on CPU; the
+        rows are the distributions the tokens were drawn from (before truncation).
     """
     logits = logits.float().cpu()
     tokens = torch.empty(len(params), dtype=torch.int64)
-    logprobs = torch.empty(len(params), dtype=torch.float32)
+    rows = torch.empty_like(logits)
     for b, sp in enumerate(params):
+        row = process_logits(logits[b], sp, histories[b] if histories else (), stop_ids[b] if stop_ids else ())
         if sp.temperature == 0.0:
-            logp = torch.log_softmax(logits[b], dim=-1)
-            tok = int(logits[b].argmax())
+            logp = torch.log_softmax(row, dim=-1)
+            tok = int(row.argmax())
         else:
-            logp = torch.log_softmax(logits[b] / sp.temperature, dim=-1)
-            probs = _truncate(logp.exp(), sp.top_p, sp.top_k)
+            logp = torch.log_softmax(row / sp.temperature, dim=-1)
+            probs = _truncate(logp.exp(), sp.top_p, sp.top_k, sp.min_p)
             tok = int(torch.multinomial(probs, 1, generator=generators[b]))
         tokens[b] = tok
-        logprobs[b] = logp[tok]
-    return tokens, logprobs
+        rows[b] = logp
+    return tokens, rows.gather(1, tokens[:, None])[:, 0], rows
 
 
 def prompt_logprobs(logits: torch.Tensor, ids: list[int]) -> list[float | None]:

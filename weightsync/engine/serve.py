@@ -1,4 +1,4 @@
-"""The built-in engine's server (``weightsync serve``): start the built-in rollout engine, one process per rank, HTTP on rank 0.
+"""The built-in engine's server (``weightsync serve``): one process per rank, HTTP on rank 0.
 
 Rank 0 is this process: it spawns ranks ``1 .. tp-1`` (``multiprocessing`` spawn), joins the
 engine's process group with them (gloo on CPU, NCCL on CUDA; ``tcp://127.0.0.1`` rendezvous,
@@ -18,13 +18,16 @@ Typical usage::
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
-from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from weightsync.engine.config import ServeConfig
@@ -135,6 +138,7 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     from weightsync.engine.http_api import ServerContext, build_app
     from weightsync.engine.scheduler import Scheduler
     from weightsync.engine.tokenizer import load_tokenizer
+    from weightsync.models.checkpoint import hf_config_dict
 
     driver = Driver(engine)
     sched = Scheduler(
@@ -145,24 +149,27 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     )
     tokenizer = load_tokenizer(engine.spec.vocab_size, cfg.checkpoint)
     engine.eos_token_ids = tokenizer.eos_token_ids
-    info = {
-        **asdict(cfg),
-        "model_path": cfg.checkpoint or f"dummy:{cfg.model}",
-        "tokenizer": tokenizer.name,
-        "vocab_size": engine.spec.vocab_size,
-        "context_length": engine.spec.max_position_embeddings,
-        "tp_size": par.tp,
-        "dp_size": par.dp,
-        "ep_size": par.ep,
-        "moe_dense_tp_size": par.moe_dense_tp,
-        "enable_dp_lm_head": par.dp_lm_head,
-        "pid": os.getpid(),
-    }
+    engine.decode = tokenizer.decode
+    config_dir = None
+    if cfg.checkpoint is None:
+        # sglang's model_path always names a directory with the model's config.json (dummy
+        # weights too): readers such as miles' ServerArgs(**server_info) resolve it
+        config_dir = tempfile.mkdtemp(prefix=f"weightsync-{cfg.model}-config-")
+        (Path(config_dir) / "config.json").write_text(json.dumps(hf_config_dict(engine.spec), indent=1))
+    info = server_info(cfg, engine.spec, par, model_path=cfg.checkpoint or config_dir, tokenizer=tokenizer.name)
     sched.start()
     try:
         server = uvicorn.Server(
             uvicorn.Config(
-                build_app(ServerContext(scheduler=sched, tokenizer=tokenizer, par=par, server_info=info)),
+                build_app(
+                    ServerContext(
+                        scheduler=sched,
+                        tokenizer=tokenizer,
+                        par=par,
+                        server_info=info,
+                        publish_descriptor=cfg.transfer_info_format == "weightsync",
+                    )
+                ),
                 host=cfg.host,
                 port=cfg.port,
                 log_level=log_level,
@@ -186,3 +193,73 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     finally:
         watching.clear()  # the workers leave now, on purpose
         sched.stop()
+        if config_dir is not None:
+            shutil.rmtree(config_dir, ignore_errors=True)
+
+
+def server_info(
+    cfg: ServeConfig, spec: Any, par: Any, *, model_path: str | None, tokenizer: str
+) -> dict[str, Any]:
+    """``/server_info``: sglang's ``ServerArgs`` fields (``server_args.py``) with this engine's
+    values, sglang's scheduler info, and this project's facts under ``weightsync``.
+
+    Readers rebuild ``ServerArgs(**info)`` from the keys they know (miles) or compare fields one
+    by one (miles' external-engine check, this project's run): every value here is true.
+    """
+    from weightsync import __version__
+
+    context = spec.max_position_embeddings
+    return {
+        "model_path": model_path,
+        "tokenizer_path": model_path,
+        "served_model_name": cfg.model,
+        "load_format": cfg.load_format,
+        "dtype": spec.dtype,
+        "quantization": "fp8" if spec.fp8_block is not None else None,
+        "trust_remote_code": False,
+        "context_length": context,
+        "device": cfg.device,
+        "host": cfg.host,
+        "port": cfg.port,
+        "nnodes": 1,
+        "node_rank": 0,
+        "dist_init_addr": None,
+        "nccl_port": None,
+        "base_gpu_id": 0,
+        "gpu_id_step": 1,
+        "tp_size": par.tp,
+        "dp_size": par.dp,
+        "pp_size": 1,
+        "ep_size": par.ep,
+        "enable_dp_attention": par.dp > 1,
+        "enable_dp_lm_head": par.dp_lm_head,
+        "moe_dense_tp_size": par.moe_dense_tp,
+        "random_seed": cfg.seed,
+        "weight_version": cfg.weight_version,
+        "max_running_requests": cfg.max_batch_size,
+        "skip_server_warmup": True,
+        "enable_memory_saver": False,
+        "rl_quant_profile": None,
+        "disaggregation_mode": "null",
+        "enable_return_routed_experts": False,
+        "enable_return_indexer_topk": False,
+        "engine_info_bootstrap_port": None,
+        "remote_instance_weight_loader_start_seed_via_transfer_engine": cfg.transport == "mooncake",
+        "status": "ready",
+        "max_total_num_tokens": cfg.max_batch_size * context,
+        "max_req_input_len": context - 1,
+        "startup_time": time.time(),
+        "version": __version__,
+        "weightsync": {
+            "model": cfg.model,
+            "scale": cfg.scale,
+            "transport": cfg.transport,
+            "transfer_info_format": cfg.transfer_info_format,
+            "tokenizer": tokenizer,
+            "vocab_size": spec.vocab_size,
+            "compute_dtype": cfg.compute_dtype,
+            "model_type": spec.hf_model_type,
+            "architectures": [spec.hf_architecture],
+            "pid": os.getpid(),
+        },
+    }

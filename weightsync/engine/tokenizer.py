@@ -25,7 +25,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str: ...
 
 
 class ByteTokenizer:
@@ -40,7 +42,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b % self.vocab_size for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        """Bytes back to text (the byte tokenizer has no special tokens: the flags change nothing)."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
@@ -59,8 +64,12 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        return self._tok.decode(
+            ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens
+        )
 
 
 def _config_eos(path: Path) -> tuple[int, ...]:
