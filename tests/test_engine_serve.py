@@ -152,6 +152,7 @@ def test_serve_cli_options_are_pinned() -> None:
         "--transport",
         "--mooncake-protocol",
         "--mooncake-device",
+        "--transfer-info-format",
         "--max-batch-size",
         "--weight-version",
         "--dist-port",

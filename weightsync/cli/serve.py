@@ -47,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mooncake-protocol", default="tcp", help="with --transport mooncake: tcp | rdma")
     parser.add_argument("--mooncake-device", default="", help="with --transport mooncake rdma: e.g. mlx5_0")
+    parser.add_argument(
+        "--transfer-info-format",
+        choices=("weightsync", "sglang"),
+        default="weightsync",
+        help="what /get_remote_instance_transfer_engine_info publishes: weightsync (sglang's pair plus the transport "
+        "descriptor) or sglang (exactly what a real sglang server publishes; senders need --transport mooncake)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--dist-port", type=int, default=None, help="process-group rendezvous port (default: free)")
@@ -79,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         dist_port=args.dist_port,
         compute_dtype=args.compute_dtype,
         cpu_threads=args.cpu_threads,
+        transfer_info_format=args.transfer_info_format,
     )
 
 
