@@ -36,6 +36,7 @@ from weightsync.layout.box import LocalTensor, box_shape, box_slices, box_volume
 from weightsync.plan.ops import CopyOp, box_runs
 from weightsync.quant.fp8 import block_scale_inv, quantize_block_fp8
 from weightsync.transport import Peer, PeerDescriptor, Transport, WriteBatch, WriteHandle, deadline_after
+from weightsync.transport.records import Region
 
 log = logging.getLogger(__name__)
 
@@ -89,24 +90,52 @@ class _Staged:
     nbytes: int
 
 
+SGLANG_TRANSPORT = "mooncake"
+"""The transport of an engine that publishes only sglang's ``[session_id, weights_info]``: sglang's
+session id is its Mooncake TransferEngine's ``host:port`` and the pointers are its parameters'."""
+
+
+def sglang_descriptor(session_id: str, weights: Mapping[str, Sequence[int]]) -> PeerDescriptor:
+    """The descriptor of an engine that publishes only sglang's transfer-engine info: one Mooncake
+    region per published parameter, at its pointer (so a write outside every parameter is refused
+    before it is issued)."""
+    regions = tuple(
+        Region(name=name, addr=int(ptr), nbytes=int(numel) * int(esize))
+        for name, (ptr, numel, esize) in weights.items()
+        if int(numel) > 0
+    )
+    return PeerDescriptor(kind=SGLANG_TRANSPORT, session_id=session_id, host_id="", pid=0, regions=regions)
+
+
 def dest_rank_from_info(rank: int, info: Mapping[str, object], layout: Sequence[LocalTensor]) -> DestRank:
     """Check what rollout rank ``rank`` published against the layout the plan expects.
 
     Args:
         rank: the rollout rank.
-        info: ``{"descriptor": PeerDescriptor JSON, "weights": {name: [ptr, numel, element_size]}}``
-            (the engine's ``/get_remote_instance_transfer_engine_info`` answer).
+        info: ``{"session_id": str, "weights": {name: [ptr, numel, element_size]}, "descriptor":
+            PeerDescriptor JSON or None}``: the engine's ``/get_remote_instance_transfer_engine_info``
+            answer. Without a descriptor (a real sglang engine publishes none) the peer is reached
+            over Mooncake at ``session_id``, each parameter at its published pointer.
         layout: the rank's local tensors as the plan computed them.
 
+    Returns:
+        The rank's destination. Derived tensors of the layout (MLA ``w_kc``/``w_vc``: the engine
+        recomputes them in ``end_weight_update``; sglang does not publish them) are not in it,
+        whether published or not, so no op can write them.
+
     Raises:
-        ValueError: a parameter is missing, extra, or has another size or element size than the
-            plan expects (an engine started with another model or layout); nothing is written.
+        ValueError: a parameter the plan writes is missing, or published with another number of
+            elements or element size than the plan expects (named), or the engine publishes
+            parameters the layout does not have (another model or layout); nothing is written.
     """
     weights = info["weights"]
     assert isinstance(weights, Mapping)
     problems: list[str] = []
     params: dict[str, DestParam] = {}
+    derived = {t.name for t in layout if t.derived}
     for t in layout:
+        if t.derived:
+            continue
         pub = weights.get(t.name)
         dtype = getattr(torch, t.dtype)
         if pub is None:
@@ -114,7 +143,8 @@ def dest_rank_from_info(rank: int, info: Mapping[str, object], layout: Sequence[
             continue
         ptr, numel, esize = (int(x) for x in pub)
         if numel != t.numel or esize != dtype.itemsize:
-            problems.append(f"{t.name}: published numel={numel} x {esize} B, plan expects {t.numel} x {dtype.itemsize} B")
+            want = f"{t.numel} x {dtype.itemsize} B"
+            problems.append(f"{t.name}: published numel={numel} x {esize} B, plan expects {want}")
             continue
         params[t.name] = DestParam(addr=ptr, shape=t.shape, dtype=dtype)
     extra = sorted(set(weights) - {t.name for t in layout})
@@ -125,9 +155,14 @@ def dest_rank_from_info(rank: int, info: Mapping[str, object], layout: Sequence[
             f"rollout rank {rank} does not have the layout the plan expects (another model or parallel layout?): "
             + "; ".join(problems[:10])
         )
-    desc = info["descriptor"]
-    assert isinstance(desc, Mapping)
-    return DestRank(rank=rank, descriptor=PeerDescriptor.from_json(dict(desc)), params=params)
+    desc = info.get("descriptor")
+    if desc is None:
+        published = {n: v for n, v in weights.items() if n not in derived}
+        descriptor = sglang_descriptor(str(info["session_id"]), published)  # type: ignore[arg-type]
+    else:
+        assert isinstance(desc, Mapping)
+        descriptor = PeerDescriptor.from_json(dict(desc))
+    return DestRank(rank=rank, descriptor=descriptor, params=params)
 
 
 def _pair(src: list[tuple[int, int]], dst: list[tuple[int, int]], src_base: int, dst_base: int) -> np.ndarray:
