@@ -189,7 +189,7 @@ def _engine_state(url: str) -> tuple[str, dict[str, str]]:
     [
         # the embedded default of Qwen3-4B needs an engine of TP 2
         pytest.param(["Qwen3-4B"], "tp_size=1 (this run needs 2)", id="another-layout"),
-        pytest.param(["Qwen3-30B-A3B", "--train", "tp=1", "--rollout", "tp=1"],
+        pytest.param(["Qwen3-30B-A3B", "--train", "tp=1,ep=1,world=1", "--rollout", "tp=1,ep=1"],
                      "model='Qwen3-4B' (this run needs 'Qwen3-30B-A3B')", id="another-model"),
     ],
 )
@@ -207,7 +207,7 @@ def test_mismatched_engine_is_refused_before_any_byte(argv: list[str], named: st
 
 def test_unreachable_engine(e2e_ckpt: Path, tmp_path: Path):
     url = f"http://127.0.0.1:{_free_port()}"
-    run = run_cli(["run", "Qwen3-4B", "--train", "tp=1", "--rollout", "tp=1", "--num-rollout", "1",
+    run = run_cli(["run", "Qwen3-4B", "--train", "tp=1,cp=1,world=1", "--rollout", "tp=1", "--num-rollout", "1",
                    "--engine-urls", url], ckpt_dir=e2e_ckpt, log_dir=tmp_path)
     assert run.returncode == 1, run.describe()
     assert f"{url}/server_info: engine unreachable" in run.output
@@ -216,8 +216,8 @@ def test_unreachable_engine(e2e_ckpt: Path, tmp_path: Path):
 
 def test_run_updates_an_attached_engine(qwen_engine: str, e2e_ckpt: Path, tmp_path: Path):
     """``--engine-urls``: the run updates an engine it did not start, and leaves it serving."""
-    run = run_cli(["run", "Qwen3-4B", "--train", "tp=1", "--rollout", "tp=1", "--mode", "both", "--num-rollout", "1",
-                   "--engine-urls", qwen_engine], ckpt_dir=e2e_ckpt, log_dir=tmp_path)
+    run = run_cli(["run", "Qwen3-4B", "--train", "tp=1,cp=1,world=1", "--rollout", "tp=1", "--mode", "both",
+                   "--num-rollout", "1", "--engine-urls", qwen_engine], ckpt_dir=e2e_ckpt, log_dir=tmp_path)
     assert_run_passed(run, modes=["p2p", "broadcast"])
     assert_bytes_exact(run, model_bytes("Qwen3-4B"))
     version, _ = _engine_state(qwen_engine)

@@ -63,7 +63,7 @@ def test_family_both_modes(model: str, ep: int, dp: int, env: dict[str, str], e2
 def test_two_engines_over_mooncake(e2e_ckpt: Path, tmp_path: Path):
     """Two engines of TP 2 updated in one step from trainer TP 2, p2p over Mooncake tcp (forced
     by the flag), then broadcast to all four rollout ranks."""
-    run = run_in_process(["Qwen3-4B", "--mode", "both", "--num-rollout", "1", "--train", "tp=2",
+    run = run_in_process(["Qwen3-4B", "--mode", "both", "--num-rollout", "1", "--train", "tp=2,cp=1,world=2",
                           "--rollout", "tp=2,engines=2", "--transport", "mooncake"],
                          ckpt_dir=e2e_ckpt, log_dir=tmp_path)
     assert_run_passed(run, modes=["p2p", "broadcast"])

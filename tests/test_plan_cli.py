@@ -61,7 +61,7 @@ def test_table_output_and_cache(capsys, tmp_path):
     ("argv", "message"),
     [
         pytest.param(["Nope"], "unknown model", id="unknown-model"),
-        pytest.param(["Qwen3-4B", "--train", "tq=2"], "expected K=V", id="bad-key"),
+        pytest.param(["Qwen3-4B", "--train", "tq=2"], "--train: 'tq=2' is not one of", id="bad-key"),
         pytest.param(["Qwen3-4B", "--train", "tp=3"], "not divisible", id="gpu-count"),
         pytest.param(["Qwen3-4B", "--scale", "tiny", "--train", "tp=1,cp=1,world=1", "--rollout", "tp=8"],
                      "heads", id="heads-not-divisible"),

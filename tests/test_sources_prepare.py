@@ -55,29 +55,6 @@ def test_output_names(scale, name):
     assert prep.output_name("M", scale) == name
 
 
-@pytest.mark.parametrize(("text", "want"), [
-    ("tp=2", TrainParallel(world_size=2, tp=2)),
-    ("tp=2,ep=4", TrainParallel(world_size=4, tp=2, ep=4)),
-    ("tp=2,pp=2,dp=2", TrainParallel(world_size=8, tp=2, pp=2)),
-    ("tp=4,ep=2,etp=2,world=8,last=1,pp=2", TrainParallel(world_size=8, tp=4, ep=2, etp=2, pp=2,
-                                                          pp_last_stage_layers=1)),
-    ("tp=2,mla_rep=1", TrainParallel(world_size=2, tp=2, mla_down_proj_replicated=True)),
-], ids=["tp", "tp-ep-lcm", "dp", "all", "mla-rep"])
-def test_parse_train(text, want):
-    assert prep.parse_train(text) == want
-
-
-def test_parse_train_mla_rep_default_and_override():
-    assert prep.parse_train("tp=2", mla_down_proj_replicated=True).mla_down_proj_replicated
-    assert not prep.parse_train("tp=2,mla_rep=0", mla_down_proj_replicated=True).mla_down_proj_replicated
-
-
-@pytest.mark.parametrize("text", ["tp=x", "zz=2", "tp2", "mla_rep=2"])
-def test_parse_train_refuses(text):
-    with pytest.raises(ValueError, match="bad --train item"):
-        prep.parse_train(text)
-
-
 def test_mla_embedded_default_shards_keep_down_projections_whole(tmp_path):
     """Kimi-K2's embedded default (train TP 2, duplicated MLA down projections): prepare writes its
     shards, and each rank reads the whole down projections back."""
@@ -227,7 +204,7 @@ def test_cli_uses_ckpt_save_dir_and_reports_errors(tmp_path, monkeypatch, capsys
     parser = argparse.ArgumentParser()
     prepare_cli.add_arguments(parser)
     monkeypatch.setenv("CKPT_SAVE_DIR", str(tmp_path / "env"))
-    rc = prepare_cli.main(parser.parse_args([MODEL, "--scale", "tiny", "--train", "tp=2,ep=2", "--no-progress",
+    rc = prepare_cli.main(parser.parse_args([MODEL, "--scale", "tiny", "--train", "tp=2,ep=2,world=2", "--no-progress",
                                       "--download-only"]))
     assert rc == 0
     assert (tmp_path / "env" / f"{MODEL}_tiny" / "config.json").is_file()
@@ -235,7 +212,8 @@ def test_cli_uses_ckpt_save_dir_and_reports_errors(tmp_path, monkeypatch, capsys
     assert "SYNTHETIC" in capsys.readouterr().out
     rc = prepare_cli.main(parser.parse_args([MODEL, "--scale", "tiny", "--train", "tp=3", "--no-progress"]))
     assert rc == 2
-    assert "not divisible by tp=3" in capsys.readouterr().err
+    assert "--train 'tp=3' on Qwen3-30B-A3B's run profile" in (err := capsys.readouterr().err)
+    assert "not divisible by tp*pp*cp = 3" in err
 
 
 def test_custom_prompt_data(tmp_path):

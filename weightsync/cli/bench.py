@@ -11,15 +11,27 @@ import time
 from pathlib import Path
 
 from weightsync.launch.bench import build_config, format_table, run_processes, summarize
+from weightsync.launch.config import RunMode
+from weightsync.plan.broadcast import DEFAULT_BUCKET_GB
+
+DEFAULT_TRAIN = "tp=2,pp=1,cp=1,ep=1,etp=1,world=2"
+"""Trainer TP 2 on 2 ranks, whatever the profile's sizes (``mla_rep`` stays the profile's)."""
+DEFAULT_ROLLOUT = "tp=2,ep=1,dp=1,engines=1"
+"""One engine of TP 2, whatever the profile's sizes."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registry model name (weightsync list)")
     p.add_argument("--scale", default="tiny", help="full | layers=N | tiny (default tiny)")
-    p.add_argument("--train", default="tp=2", help="trainer parallel sizes: tp=..,pp=..,ep=..,etp=..,world=..")
-    p.add_argument("--rollout", default="tp=2", help="engine parallel sizes: tp=..,ep=..,dp=..,engines=..")
+    p.add_argument("--train", default=DEFAULT_TRAIN,
+                   help="trainer sizes: tp=..,pp=..,cp=..,ep=..,etp=..,world=..,dp=..,last=..,mla_rep=0|1 replace the "
+                        "run profile's, keys not given keep the profile's (the world size too unless world= or dp=) "
+                        f"(default {DEFAULT_TRAIN})")
+    p.add_argument("--rollout", default=DEFAULT_ROLLOUT,
+                   help="engine sizes: tp=..,ep=..,dp=..,engines=.. replace the run profile's "
+                        f"(default {DEFAULT_ROLLOUT})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--mode", choices=("p2p", "broadcast", "both"), default="both")
+    p.add_argument("--mode", choices=[m.value for m in RunMode], default=RunMode.BOTH.value)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, after one warm-up run")
     p.add_argument(
         "--placement",
@@ -34,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="p2p transport (auto: shm on cpu, cuda_ipc on cuda)",
     )
-    p.add_argument("--bucket-gb", type=float, default=1.0, help="staging / broadcast bucket size in GB")
+    p.add_argument("--bucket-gb", type=float, default=DEFAULT_BUCKET_GB,
+                   help="staging / broadcast bucket size in GiB, 2**30 bytes, as BUCKET_SIZE_GB of run (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck benchmark is stopped")

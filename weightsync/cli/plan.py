@@ -1,8 +1,11 @@
 """``weightsync plan``: compute (and verify) the transfer plan of a model and print its figures.
 
-Defaults come from the model's reference run profile; ``--train`` and ``--rollout`` override
-single sizes, e.g. ``--train tp=2,pp=1 --rollout tp=4,dp=2,engines=2``. With ``--json`` the
-command prints one JSON object (keys documented in :func:`plan_report`), else a table.
+Defaults come from the model's reference run profile; ``--train`` and ``--rollout`` replace the
+sizes they name and keep the profile's other ones (the same meaning in every command, see
+:func:`weightsync.models.parallel.override_train`), e.g. ``--train tp=2,pp=1 --rollout
+tp=4,dp=2,engines=2``. ``--bucket-gb`` is in GiB (2**30 bytes), as ``BUCKET_SIZE_GB`` of ``run``.
+With ``--json`` the command prints one JSON object (keys documented in :func:`plan_report`),
+else a table.
 
 Examples::
 
@@ -20,70 +23,41 @@ import time
 from typing import Any
 
 from weightsync.models.parallel import RolloutParallel, TrainParallel
-from weightsync.plan.records import MODES
-
-TRAIN_KEYS = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "etp": "etp", "world": "world_size",
-              "last": "pp_last_stage_layers", "mla_rep": "mla_down_proj_replicated"}
-TRAIN_FLAGS = ("mla_down_proj_replicated",)
-"""Boolean trainer fields: given as 0 or 1."""
-ROLLOUT_KEYS = {"tp": "tp", "ep": "ep", "dp": "dp", "engines": "num_engines"}
+from weightsync.plan.broadcast import DEFAULT_BUCKET_GB
+from weightsync.plan.records import Mode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="registry model name (see `weightsync list`)")
-    parser.add_argument("--mode", choices=MODES, default="p2p", help="transfer mode (default p2p)")
+    parser.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.P2P.value,
+                        help="transfer mode (default p2p)")
     parser.add_argument("--scale", default="full", help="full | tiny | layers=N (default full)")
     parser.add_argument("--train", default="", metavar="K=V,...",
-                        help="trainer sizes overriding the profile: tp, pp, cp, ep, etp, world, last (last PP "
-                             "stage's layers), mla_rep (1: MLA down projections whole on every TP rank, as "
+                        help="trainer sizes replacing the profile's: tp, pp, cp, ep, etp, world, dp, last (last "
+                             "PP stage's layers), mla_rep (1: MLA down projections whole on every TP rank, as "
                              "Megatron's TE spec, the profiles' setting for MLA models; 0: split over TP, as its "
-                             "local spec)")
+                             "local spec); keys not given keep the profile's, the world size too unless world= or "
+                             "dp= is given")
     parser.add_argument("--rollout", default="", metavar="K=V,...",
-                        help="rollout sizes overriding the profile: tp, ep, dp, engines")
+                        help="rollout sizes replacing the profile's: tp, ep, dp, engines")
     parser.add_argument("--verify", action="store_true", help="run the plan verifier")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--bucket-gb", type=float, default=1.0, help="broadcast bucket size in GB (default 1)")
+    parser.add_argument("--bucket-gb", type=float, default=DEFAULT_BUCKET_GB,
+                        help="broadcast bucket size in GiB, 2**30 bytes, as BUCKET_SIZE_GB (default 1)")
     parser.add_argument("--cache-dir", default=None, help="load/store plans in this directory")
     parser.add_argument("--save", default=None, metavar="PATH", help="write the plan (.npz)")
 
 
-def parse_sizes(text: str, keys: dict[str, str], what: str) -> dict[str, int]:
-    """``"tp=2,pp=1"`` -> ``{"tp": 2, "pp": 1}`` (field names of the config dataclass).
+def resolve_parallel(args: argparse.Namespace) -> tuple[TrainParallel, RolloutParallel]:
+    """The run profile's sizes with ``--train`` / ``--rollout`` applied
+    (:func:`weightsync.models.fit.profile_sizes`, as in ``run``, ``prepare`` and ``bench``).
 
     Raises:
-        ValueError: an unknown key or a value that is not a positive integer.
+        ValueError: unknown model, or a bad ``--train`` / ``--rollout``.
     """
-    out: dict[str, int] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key not in keys:
-            raise ValueError(f"--{what}: expected K=V with K in {', '.join(keys)}, got {item!r}")
-        try:
-            n = int(value)
-        except ValueError:
-            raise ValueError(f"--{what}: {key} must be an integer, got {value!r}") from None
-        out[keys[key]] = n
-    return out
+    from weightsync.models.fit import profile_sizes
 
-
-def resolve_parallel(model: str, train_text: str, rollout_text: str) -> tuple[TrainParallel, RolloutParallel]:
-    """The profile's configs with the command line's overrides applied."""
-    from weightsync.models import get_profile
-
-    profile = get_profile(model)
-    t: dict[str, int | bool | None] = dict(parse_sizes(train_text, TRAIN_KEYS, "train"))
-    r = parse_sizes(rollout_text, ROLLOUT_KEYS, "rollout")
-    for flag in TRAIN_FLAGS:
-        if flag in t:
-            if t[flag] not in (0, 1):
-                key = next(k for k, v in TRAIN_KEYS.items() if v == flag)
-                raise ValueError(f"--train: {key} must be 0 or 1, got {t[flag]}")
-            t[flag] = bool(t[flag])
-    if "pp" in t and "pp_last_stage_layers" not in t:
-        t["pp_last_stage_layers"] = None  # the profile's uneven split belongs to its pp
-    train = dataclasses.replace(profile.train, **t)
-    rollout = dataclasses.replace(profile.rollout, **r)
-    return train, rollout
+    return profile_sizes(args.model, args.train, args.rollout)
 
 
 def _par_dict(p: TrainParallel | RolloutParallel) -> dict[str, Any]:
@@ -99,26 +73,29 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """Build the plan the arguments describe and return the figures ``--json`` prints.
 
     Keys: model, mode, scale, train, rollout, ops, zero_copy_ops, bytes_total, dest_bytes,
-    max_sender_bytes, max_receiver_bytes, senders, gather_bytes, link_bytes, estimate_seconds,
-    verified, verify_seconds, plan_seconds, layout_seconds, cache_hit.
+    max_sender_bytes, max_receiver_bytes, senders, gather_bytes, bucket_bytes and buckets
+    (broadcast: the bucket size and the number of buckets; p2p: None and 0), link_bytes,
+    estimate_seconds, verified, verify_seconds, plan_seconds, layout_seconds, cache_hit.
     """
     from weightsync.layout.megatron import trainer_layout
     from weightsync.layout.sglang import engine_layout
     from weightsync.models import get_model
     from weightsync.plan.api import build_plan, summarize, verify_plan
+    from weightsync.plan.broadcast import bucket_bytes_from_gb
     from weightsync.plan.cost import estimate
     from weightsync.plan.inputs import build_inputs
     from weightsync.plan.serialize import cached_plan, save_plan
 
     spec = get_model(args.model, args.scale)
-    train, rollout = resolve_parallel(args.model, args.train, args.rollout)
+    train, rollout = resolve_parallel(args)
+    mode = Mode.parse(args.mode)
+    bucket = bucket_bytes_from_gb(args.bucket_gb, what="--bucket-gb") if mode is Mode.BROADCAST else None
     t0 = time.perf_counter()
     inputs = build_inputs(spec, train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout)
     t1 = time.perf_counter()
-    bucket = int(args.bucket_gb * 1e9)
-    options = {"bucket_bytes": bucket} if args.mode == "broadcast" else {}
-    plan, hit = cached_plan(lambda: build_plan(inputs, args.mode, **options),  # type: ignore[arg-type]
-                            inputs.cache_key(args.mode, **options), args.cache_dir)
+    options = {"bucket_bytes": bucket} if bucket is not None else {}
+    plan, hit = cached_plan(lambda: build_plan(inputs, mode, **options),  # type: ignore[arg-type]
+                            inputs.cache_key(mode, **options), args.cache_dir)
     t2 = time.perf_counter()
     verified: bool | None = None
     verify_seconds = None
@@ -131,9 +108,9 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     s = summarize(plan, inputs)
     cost = estimate(plan, inputs)
     return {
-        "model": args.model, "mode": args.mode, "scale": args.scale,
+        "model": args.model, "mode": mode, "scale": args.scale,
         "train": _par_dict(train), "rollout": _par_dict(rollout),
-        **dataclasses.asdict(s),
+        **dataclasses.asdict(s), "bucket_bytes": bucket, "buckets": len(plan.buckets),
         "link_bytes": cost.link_bytes, "estimate_seconds": cost.seconds, "estimate_slowest": cost.slowest,
         "verified": verified, "verify_seconds": verify_seconds,
         "plan_seconds": t2 - t1, "layout_seconds": t1 - t0, "cache_hit": hit,
@@ -168,8 +145,9 @@ def format_table(r: dict[str, Any]) -> str:
         ("max per receiver", _gb(r["max_receiver_bytes"])),
         ("senders", str(r["senders"])),
     ]
-    if r["mode"] == "broadcast":
+    if r["mode"] == Mode.BROADCAST:
         rows.append(("trainer gather", _gb(r["gather_bytes"])))
+        rows.append(("buckets", f"{r['buckets']} of at most {r['bucket_bytes'] / (1 << 30):g} GiB"))
     rows += [
         ("links", ", ".join(f"{k} {_gb(v)}" for k, v in r["link_bytes"].items())),
         ("estimate", f"{r['estimate_seconds']:.2f} s ({r['estimate_slowest']})"),

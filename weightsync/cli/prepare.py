@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from weightsync.sources.prepare import PrepareConfig, _profile_mla_rep, parse_train, prepare
+from weightsync.sources.prepare import PrepareConfig, prepare
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,37 +25,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-data", type=Path, default=None,
                         help="prompt file (.jsonl with prompt/answer) instead of the bundled math prompts")
     parser.add_argument("--train", default=None,
-                        help="parallel config of the torch_dist shards: tp, pp, cp, ep, etp, world (or dp), last "
-                             "(last PP stage's layers), mla_rep (1: MLA down projections whole on every TP rank, as "
-                             "Megatron's TE spec; 0: split over TP, as its local spec; default: the run profile's), "
-                             "e.g. tp=2,ep=2 (default: the run profile when it fits the scale)")
+                        help="parallel config of the torch_dist shards: the run profile's sizes with the keys given "
+                             "replaced (tp, pp, cp, ep, etp, world, dp, last = last PP stage's layers, mla_rep = 1: "
+                             "MLA down projections whole on every TP rank, as Megatron's TE spec; 0: split over TP, "
+                             "as its local spec); keys not given keep the profile's, the world size too unless "
+                             "world= or dp= is given, e.g. tp=2,ep=2,world=2 (default: the run profile when it fits "
+                             "the scale, else a small configuration)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a synthetic HF checkpoint (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def resolve(args: argparse.Namespace) -> PrepareConfig:
+    """What this invocation prepares: ``--train`` over the run profile
+    (:func:`weightsync.models.fit.profile_sizes`, as in ``run``, ``plan`` and ``bench``); without
+    ``--scale``, the scale (and, without ``--train``, the shards) of what ``run`` would run here.
+
+    Raises:
+        ValueError: a bad ``--train``, or an environment variable that cannot be used.
+    """
+    from weightsync.models.fit import cuda_device_count, fit_profile, profile_sizes
+
+    ckpt_dir = args.ckpt_dir
+    if ckpt_dir is None:
+        # The CLI layer resolves the environment through the launcher's single reader.
+        from weightsync.launch.config import env_settings
+
+        ckpt_dir = env_settings().ckpt_dir
+    scale, train = args.scale, profile_sizes(args.model, args.train)[0] if args.train else None
+    if scale is None:
+        fit = fit_profile(args.model, cuda_device_count())
+        if fit.note:
+            print(fit.note)
+        scale, train = fit.scale, train or fit.train
+    return PrepareConfig(model=args.model, scale=scale, ckpt_dir=Path(ckpt_dir),
+                         hf_checkpoint=args.hf_checkpoint, download_only=args.download_only,
+                         prompt_data=args.prompt_data, train=train,
+                         seed=args.seed, progress=not args.no_progress)
 
 
 def main(args: argparse.Namespace) -> int:
     """Run ``weightsync prepare``; 0 on success, 2 on bad input (the message says what is wrong)."""
     try:
-        ckpt_dir = args.ckpt_dir
-        if ckpt_dir is None:
-            # The CLI layer resolves the environment through the launcher's single reader.
-            from weightsync.launch.config import env_settings
-
-            ckpt_dir = env_settings().ckpt_dir
-        scale, train = args.scale, parse_train(args.train, mla_down_proj_replicated=_profile_mla_rep(args.model)) \
-            if args.train else None
-        if scale is None:
-            from weightsync.models.fit import cuda_device_count, fit_profile
-
-            fit = fit_profile(args.model, cuda_device_count())
-            if fit.note:
-                print(fit.note)
-            scale, train = fit.scale, train or fit.train
-        cfg = PrepareConfig(model=args.model, scale=scale, ckpt_dir=Path(ckpt_dir),
-                            hf_checkpoint=args.hf_checkpoint, download_only=args.download_only,
-                            prompt_data=args.prompt_data, train=train,
-                            seed=args.seed, progress=not args.no_progress)
-        result = prepare(cfg)
+        result = prepare(resolve(args))
     except (ValueError, FileExistsError) as exc:
         print(f"weightsync prepare: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,10 @@
 Resolves the run from the model's profile and the machine: where the machine has the GPUs the
 profile needs, the profile runs as is; otherwise ``run`` says so in one line and runs the
 *embedded default*: the same family at tiny scale on CPU, trainer TP 2 and engine TP 2 (EP 2
-for MoE families, DP-attention where the profile uses it).
+for MoE families, DP-attention where the profile uses it). Any of ``--scale``, ``--train``,
+``--rollout``, ``--device`` given, the run is the profile's parallel sizes with ``--train`` /
+``--rollout`` replacing the keys they name (:func:`weightsync.models.fit.profile_sizes`, the same
+as in ``prepare``, ``plan`` and ``bench``), at ``--scale`` (default full on cuda, else tiny).
 """
 
 from __future__ import annotations
@@ -15,39 +18,34 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from weightsync.launch.config import EnvSettings, RunConfig, env_settings
-from weightsync.models import get_profile, list_models
-from weightsync.models.fit import cuda_device_count, fit_profile
-from weightsync.models.parallel import rollout_from_args, train_from_args
+from weightsync.launch.config import EnvSettings, RunConfig, RunMode, env_settings
+from weightsync.models import list_models
+from weightsync.models.fit import cuda_device_count, fit_profile, profile_sizes
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registry model name (weightsync list)")
-    p.add_argument("--mode", default="p2p", help="p2p (default), broadcast, or both (alternating, one run)")
+    p.add_argument("--mode", default=RunMode.P2P.value, help="p2p (default), broadcast, or both (alternating, one run)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 = head)")
     p.add_argument("--head-ip", default="", help="head node address (multi-node profiles)")
     p.add_argument("--num-rollout", type=int, default=3, help="training steps, each followed by an update")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when the profile fits")
     p.add_argument("--scale", default=None, help="full | layers=N | tiny (default: the profile's or tiny)")
     p.add_argument("--train", default=None,
-                   help="tp=..,pp=..,cp=..,ep=..,etp=..,world=..,last=..,mla_rep=0|1 (default: profile). mla_rep=1: "
-                        "MLA down projections whole on every TP rank, as Megatron's TE spec; 0: split over TP, as "
-                        "its local spec (default: the profile's)")
-    p.add_argument("--rollout", default=None, help="tp=..,ep=..,dp=..,engines=.. (default: profile)")
+                   help="tp=..,pp=..,cp=..,ep=..,etp=..,world=..,dp=..,last=..,mla_rep=0|1: the run profile's sizes "
+                        "with these replaced, keys not given keep the profile's (world: the profile's unless "
+                        "world= or dp=; see `weightsync list`). mla_rep=1: MLA down projections whole on every TP "
+                        "rank, as Megatron's TE spec; 0: split over TP, as its local spec")
+    p.add_argument("--rollout", default=None,
+                   help="tp=..,ep=..,dp=..,engines=..: the run profile's engine sizes with these replaced")
     p.add_argument("--transport", default="auto", help="p2p transport: auto | shm | mooncake | cuda_ipc")
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--engine-urls", default="",
                    help="comma-separated URLs of engines already serving this run's model and layout (started "
                         "with `weightsync serve`): update them instead of starting engines; one URL per engine")
-
-
-
-
-
-
 
 
 def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
@@ -58,18 +56,14 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
     """
     if args.model not in list_models():
         raise ValueError(f"unknown model {args.model!r}; known: {', '.join(list_models())}")
-    if args.mode not in ("p2p", "broadcast", "both"):
-        raise ValueError(f"unknown mode {args.mode!r}: use p2p or broadcast (or both)")
-    profile = get_profile(args.model)
+    mode = RunMode.parse(args.mode)
     explicit = any(x is not None for x in (args.scale, args.train, args.rollout, args.device))
     have = cuda_device_count()
     embedded = False
     if explicit:
         device = args.device or ("cuda" if have else "cpu")
         scale = args.scale or ("full" if device == "cuda" else "tiny")
-        train = train_from_args(args.train, mla_down_proj_replicated=profile.train.mla_down_proj_replicated) \
-            if args.train else profile.train
-        rollout = rollout_from_args(args.rollout) if args.rollout else profile.rollout
+        train, rollout = profile_sizes(args.model, args.train, args.rollout)
     else:
         fit = fit_profile(args.model, have)
         if fit.embedded and args.node_rank != 0:
@@ -85,8 +79,8 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
     urls = tuple(u.strip().rstrip("/") for u in args.engine_urls.split(",") if u.strip())
     if urls:
         rollout = replace(rollout, num_engines=len(urls))
-    log_dir = env.log_dir or Path("logs") / f"{args.model}_{args.mode}_{time.strftime('%Y%m%d-%H%M%S')}"
-    return RunConfig(model=args.model, scale=scale, mode=args.mode, device=device, train=train, rollout=rollout,
+    log_dir = env.log_dir or Path("logs") / f"{args.model}_{mode}_{time.strftime('%Y%m%d-%H%M%S')}"
+    return RunConfig(model=args.model, scale=scale, mode=mode, device=device, train=train, rollout=rollout,
                      num_steps=args.num_rollout, env=env, log_dir=Path(log_dir), transport=args.transport,
                      prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
                      embedded_default=embedded, engine_urls=urls)

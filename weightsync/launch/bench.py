@@ -40,7 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightsync.models.parallel import rollout_from_args, train_from_args
+from weightsync.launch.config import RunMode
+from weightsync.models.fit import profile_sizes
+from weightsync.plan.records import Mode
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +100,12 @@ def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
     from weightsync.layout.megatron import trainer_layout
     from weightsync.layout.sglang import engine_layout
     from weightsync.models import get_model
-    from weightsync.plan.broadcast import plan_broadcast
+    from weightsync.plan.broadcast import bucket_bytes_from_gb, plan_broadcast
     from weightsync.plan.inputs import build_inputs
 
-    train, rollout = train_from_args(args.train), rollout_from_args(args.rollout)
+    train, rollout = profile_sizes(args.model, args.train, args.rollout)
     spec = get_model(args.model, args.scale)
-    modes = ("p2p", "broadcast") if args.mode == "both" else (args.mode,)
+    modes = RunMode.parse(args.mode).modes
     notes: list[str] = []
     train_gpus: tuple[int, ...] = ()
     rollout_gpus: tuple[int, ...] = ()
@@ -115,14 +117,14 @@ def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
         train_gpus, rollout_gpus = gpu_placement(
             train.world_size, rollout.world_size, args.placement, torch.cuda.device_count()
         )
-    bucket_bytes = int(args.bucket_gb * (1 << 30))
+    bucket_bytes = bucket_bytes_from_gb(args.bucket_gb, what="--bucket-gb")
     inputs = build_inputs(spec, train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout)
     sources = sorted({b.src_rank for b in plan_broadcast(inputs, bucket_bytes=bucket_bytes, dst_rank=0).buckets})
-    if "broadcast" in modes:
+    if Mode.BROADCAST in modes:
         why = broadcast_skip_reason(args.device, train_gpus, rollout_gpus, sources)
         if why is not None:
             notes.append("broadcast skipped: " + why)
-            modes = tuple(m for m in modes if m != "broadcast")
+            modes = tuple(m for m in modes if m is not Mode.BROADCAST)
     transport = args.transport if args.transport != "auto" else ("cuda_ipc" if args.device == "cuda" else "shm")
     cfg = BenchConfig(
         model=args.model,

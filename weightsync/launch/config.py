@@ -11,13 +11,41 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from weightsync.models.parallel import RolloutParallel, TrainParallel
+from weightsync.plan.broadcast import DEFAULT_BUCKET_GB, bucket_bytes_from_gb
+from weightsync.plan.records import Mode
 
 DEFAULT_CKPT_DIR = "/root/multinode"
 """The reference system's default checkpoint directory."""
-DEFAULT_BUCKET_GB = 1.0
+
+
+class RunMode(StrEnum):
+    """What a run (or a benchmark) updates with: one transfer :class:`~weightsync.plan.records.Mode`,
+    or ``both`` (updates alternate p2p, broadcast, ... on the same engines and trainer ranks)."""
+
+    P2P = "p2p"
+    BROADCAST = "broadcast"
+    BOTH = "both"
+
+    @classmethod
+    def parse(cls, value: str) -> RunMode:
+        """``value`` as a run mode.
+
+        Raises:
+            ValueError: not one (the message lists them).
+        """
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown mode {value!r}: use p2p or broadcast (or both)") from None
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        """The transfer modes, in the order updates use them."""
+        return tuple(Mode) if self is RunMode.BOTH else (Mode(self.value),)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,8 +56,8 @@ class EnvSettings:
     """``CKPT_SAVE_DIR`` (default ``/root/multinode``)."""
     skip_validation: bool
     """``SKIP_VALIDATION=1`` skips ``--check-weight-update-equal``."""
-    bucket_gb: float
-    """``BUCKET_SIZE_GB`` (default 1)."""
+    bucket_bytes: int
+    """``BUCKET_SIZE_GB`` (GiB, 2**30 bytes; default 1), in bytes."""
     log_dir: Path | None
     """``MILES_LOG_DIR``: logs, ``results.json`` and plots."""
     mooncake_protocol: str = "tcp"
@@ -46,18 +74,12 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
     skip = env.get("SKIP_VALIDATION", "0").strip()
     if skip not in ("0", "1", ""):
         raise ValueError(f"SKIP_VALIDATION must be 0 or 1, got {skip!r}")
-    raw_bucket = env.get("BUCKET_SIZE_GB", "").strip()
-    try:
-        bucket = float(raw_bucket) if raw_bucket else DEFAULT_BUCKET_GB
-    except ValueError:
-        raise ValueError(f"BUCKET_SIZE_GB must be a number of GB, got {raw_bucket!r}") from None
-    if not bucket > 0:
-        raise ValueError(f"BUCKET_SIZE_GB must be positive, got {raw_bucket!r}")
+    bucket = bucket_bytes_from_gb(env.get("BUCKET_SIZE_GB", "").strip() or DEFAULT_BUCKET_GB, what="BUCKET_SIZE_GB")
     log_dir = env.get("MILES_LOG_DIR", "").strip()
     return EnvSettings(
         ckpt_dir=Path(env.get("CKPT_SAVE_DIR", "").strip() or DEFAULT_CKPT_DIR),
         skip_validation=skip == "1",
-        bucket_gb=bucket,
+        bucket_bytes=bucket,
         log_dir=Path(log_dir) if log_dir else None,
         mooncake_protocol=env.get("MOONCAKE_PROTOCOL", "tcp").strip() or "tcp",
         mooncake_device=env.get("MOONCAKE_DEVICE", "").strip(),
@@ -71,9 +93,9 @@ class RunConfig:
     model: str
     scale: str
     """``full``, ``layers=N`` or ``tiny`` (the embedded default runs ``tiny``)."""
-    mode: str
+    mode: RunMode
     """``p2p``, ``broadcast``, or ``both`` (updates alternate p2p, broadcast, ... on the same
-    engines and trainer ranks: both paths checked, and compared, in one run)."""
+    engines and trainer ranks: both paths checked, and compared, in one run); a string is parsed."""
     device: str
     """``cpu`` or ``cuda``."""
     train: TrainParallel
@@ -95,8 +117,7 @@ class RunConfig:
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("p2p", "broadcast", "both"):
-            raise ValueError(f"unknown mode {self.mode!r}: use p2p or broadcast (or both)")
+        object.__setattr__(self, "mode", RunMode.parse(self.mode))
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}: use cpu or cuda")
         if self.num_steps < 1:
@@ -107,10 +128,11 @@ class RunConfig:
             raise ValueError(f"{len(self.engine_urls)} engine URL(s) for {self.rollout.num_engines} engine(s)")
 
     @property
-    def modes(self) -> tuple[str, ...]:
+    def modes(self) -> tuple[Mode, ...]:
         """The transfer modes this run sets up; update ``k`` uses ``modes[k % len(modes)]``."""
-        return ("p2p", "broadcast") if self.mode == "both" else (self.mode,)
+        return self.mode.modes
 
     @property
     def bucket_bytes(self) -> int:
-        return int(self.env.bucket_gb * (1 << 30))
+        """``BUCKET_SIZE_GB`` in bytes."""
+        return self.env.bucket_bytes

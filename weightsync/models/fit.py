@@ -1,14 +1,15 @@
-"""Does a run profile fit this machine, and if not, what the embedded default runs instead.
+"""Does a run profile fit this machine, and if not, what the embedded default runs instead; and
+the profile's parallel sizes with the command line's ``--train`` / ``--rollout`` applied.
 
 Pure decisions over a :class:`RunProfile` and a GPU count (the caller counts the GPUs), shared
-by ``prepare`` and ``run`` so that both pick the same scale and trainer layout.
+by ``prepare``, ``run``, ``plan`` and ``bench`` so that they pick the same scale and layouts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync.models.parallel import RolloutParallel, TrainParallel
+from weightsync.models.parallel import RolloutParallel, TrainParallel, override_rollout, override_train
 from weightsync.models.profiles import get_profile
 from weightsync.models.registry import get_model
 
@@ -25,6 +26,24 @@ class Fit:
     """True: the profile does not fit and the tiny CPU default runs instead."""
     note: str
     """One line saying so (empty when the profile fits)."""
+
+
+def profile_sizes(model: str, train: str | None = None, rollout: str | None = None
+                  ) -> tuple[TrainParallel, RolloutParallel]:
+    """The run profile's parallel sizes (``weightsync list``) with ``--train`` / ``--rollout``
+    applied field by field (:func:`~weightsync.models.parallel.override_train`,
+    :func:`~weightsync.models.parallel.override_rollout`); None or empty: the profile's.
+
+    The profile is the base of ``--train`` / ``--rollout`` in every command, whatever the
+    command runs when the flag is absent (the embedded default, a small shard layout).
+
+    Raises:
+        ValueError: unknown model, or a bad ``--train`` / ``--rollout`` (the message says which).
+    """
+    profile = get_profile(model)
+    name = f"{model}'s run profile"
+    return (override_train(profile.train, train, base_name=name),
+            override_rollout(profile.rollout, rollout, base_name=name))
 
 
 def embedded_layout(model: str) -> tuple[TrainParallel, RolloutParallel]:

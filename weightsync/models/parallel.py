@@ -7,7 +7,7 @@ Engine (sglang): an engine of ``tp`` GPUs; DP-attention splits it into ``dp`` at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GPUS_PER_NODE = 8
 
@@ -114,13 +114,27 @@ def default_placement(num_train: int, num_rollout: int, gpus_per_node: int = GPU
     return devs[:num_train], devs[num_train:]
 
 
+TRAIN_KEYS = ("tp", "pp", "cp", "ep", "etp", "world", "dp", "last", "mla_rep")
+"""Keys of ``--train``: the sizes of :class:`TrainParallel` (``world`` = ``world_size``, ``last`` =
+``pp_last_stage_layers``, ``mla_rep`` = ``mla_down_proj_replicated`` as 0 or 1) and ``dp``."""
+ROLLOUT_KEYS = ("tp", "ep", "dp", "engines")
+"""Keys of ``--rollout``: the sizes of :class:`RolloutParallel` (``engines`` = ``num_engines``)."""
+
+
 def parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, int]:
-    """``"tp=2,ep=2"`` -> ``{"tp": 2, "ep": 2}``; unknown keys and non-integers are errors."""
+    """``"tp=2,ep=2"`` -> ``{"tp": 2, "ep": 2}``.
+
+    Raises:
+        ValueError: an item that is not ``key=N`` with a key of ``allowed``, a value that is not
+            an integer, or a key given twice (the message names ``--what`` and the item).
+    """
     out: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
-        key, eq, val = item.partition("=")
+        key, eq, val = (x.strip() for x in item.partition("="))
         if not eq or key not in allowed:
             raise ValueError(f"--{what}: {item!r} is not one of {', '.join(k + '=N' for k in allowed)}")
+        if key in out:
+            raise ValueError(f"--{what}: {key} is given twice")
         try:
             out[key] = int(val)
         except ValueError:
@@ -128,18 +142,88 @@ def parse_kv(text: str, allowed: tuple[str, ...], what: str) -> dict[str, int]:
     return out
 
 
-def train_from_args(text: str, *, mla_down_proj_replicated: bool = False) -> TrainParallel:
-    """``--train``; ``mla_rep`` (0 or 1) sets ``mla_down_proj_replicated``, else the keyword's value."""
-    kv = parse_kv(text, ("tp", "pp", "cp", "ep", "etp", "world", "last", "mla_rep"), "train")
-    world = kv.pop("world", kv.get("tp", 1) * kv.get("pp", 1) * kv.get("cp", 1))
-    last = kv.pop("last", None)
-    rep = kv.pop("mla_rep", int(mla_down_proj_replicated))
-    if rep not in (0, 1):
-        raise ValueError(f"--train: mla_rep must be 0 or 1, got {rep}")
-    return TrainParallel(world_size=world, pp_last_stage_layers=last, mla_down_proj_replicated=bool(rep), **kv)
+def override_train(base: TrainParallel, text: str | None, *, base_name: str = "the base",
+                   etp_follows_tp: bool = False) -> TrainParallel:
+    """``--train``: ``base`` with the sizes ``text`` names replaced, field by field.
+
+    The one meaning of ``--train`` in every command (``base`` is the model's run profile there):
+
+    * ``tp``, ``pp``, ``cp``, ``ep``, ``etp``: given, or the base's value. With
+      ``etp_follows_tp``, an ``etp`` not given is the resolved ``tp`` instead (Megatron's own
+      default for ``--expert-tensor-parallel-size``).
+    * ``world_size``: ``world=N``; else ``dp=N`` gives ``tp * pp * cp * N`` (with the resolved
+      ``tp``/``pp``/``cp``); both given must agree; neither: the base's world size. So the GPU
+      count stays the base's and ``dp = world_size / (tp * pp * cp)`` (and
+      ``edp = world_size / (etp * ep * pp)``) follow from it.
+    * ``pp_last_stage_layers``: ``last=N``; else the base's when the resolved ``pp`` is the
+      base's, and an even split (None) when ``pp`` changed (the base's uneven split belongs to
+      its own ``pp``).
+    * ``mla_down_proj_replicated``: ``mla_rep=0|1``; else the base's. Every other field
+      (``sequence_parallel``) is the base's.
+
+    An empty or None ``text`` returns ``base``; ``base_name`` names the base in error messages.
+
+    Raises:
+        ValueError: a bad item (see :func:`parse_kv`), ``mla_rep`` not 0 or 1, ``world`` and
+            ``dp`` that disagree, or sizes that do not divide; the message quotes ``text`` and
+            the base's sizes.
+    """
+    if not text or not text.strip():
+        return base
+    kv = parse_kv(text, TRAIN_KEYS, "train")
+    if kv.get("mla_rep", 0) not in (0, 1):
+        raise ValueError(f"--train: mla_rep must be 0 or 1, got {kv['mla_rep']}")
+    tp, pp, cp = (kv.get(k, getattr(base, k)) for k in ("tp", "pp", "cp"))
+    world = kv.get("world", base.world_size)
+    if "dp" in kv:
+        if kv["dp"] < 1:
+            raise ValueError(f"--train: dp must be >= 1, got {kv['dp']}")
+        from_dp = tp * pp * cp * kv["dp"]
+        if "world" in kv and kv["world"] != from_dp:
+            raise ValueError(f"--train: world={kv['world']} disagrees with dp={kv['dp']} "
+                             f"(tp*pp*cp*dp = {from_dp}); give one of them")
+        world = from_dp
+    default_etp = tp if etp_follows_tp else base.etp
+    last = kv.get("last", base.pp_last_stage_layers if pp == base.pp else None)
+    rep = bool(kv["mla_rep"]) if "mla_rep" in kv else base.mla_down_proj_replicated
+    try:
+        return replace(base, world_size=world, tp=tp, pp=pp, cp=cp, ep=kv.get("ep", base.ep),
+                       etp=kv.get("etp", default_etp), pp_last_stage_layers=last, mla_down_proj_replicated=rep)
+    except ValueError as exc:
+        raise ValueError(f"--train {text!r} on {base_name} ({train_text(base)}; keys not given keep these "
+                         f"values): {exc}") from None
 
 
-def rollout_from_args(text: str) -> RolloutParallel:
-    kv = parse_kv(text, ("tp", "ep", "dp", "engines"), "rollout")
-    engines = kv.pop("engines", 1)
-    return RolloutParallel(num_engines=engines, **kv)
+def override_rollout(base: RolloutParallel, text: str | None, *, base_name: str = "the base") -> RolloutParallel:
+    """``--rollout``: ``base`` with the sizes ``text`` names replaced, field by field.
+
+    ``tp``, ``ep``, ``dp`` and ``engines`` (``num_engines``) are given or the base's; so are
+    ``moe_dense_tp`` and ``dp_lm_head``, which have no key. An empty or None ``text`` returns
+    ``base``; ``base_name`` names the base in error messages.
+
+    Raises:
+        ValueError: a bad item (see :func:`parse_kv`) or sizes that do not divide; the message
+            quotes ``text`` and the base's sizes.
+    """
+    if not text or not text.strip():
+        return base
+    kv = parse_kv(text, ROLLOUT_KEYS, "rollout")
+    fields = {"num_engines" if k == "engines" else k: v for k, v in kv.items()}
+    try:
+        return replace(base, **fields)
+    except ValueError as exc:
+        raise ValueError(f"--rollout {text!r} on {base_name} ({rollout_text(base)}; keys not given keep these "
+                         f"values): {exc}") from None
+
+
+def train_text(p: TrainParallel) -> str:
+    """``p`` in the ``--train`` grammar, every key given (``override_train(b, train_text(p))`` is
+    ``p`` for any base ``b`` with ``p``'s ``sequence_parallel``)."""
+    last = f",last={p.pp_last_stage_layers}" if p.pp_last_stage_layers is not None else ""
+    return (f"tp={p.tp},pp={p.pp},cp={p.cp},ep={p.ep},etp={p.etp},world={p.world_size}{last},"
+            f"mla_rep={int(p.mla_down_proj_replicated)}")
+
+
+def rollout_text(p: RolloutParallel) -> str:
+    """``p`` in the ``--rollout`` grammar, every key given."""
+    return f"tp={p.tp},ep={p.ep},dp={p.dp},engines={p.num_engines}"

@@ -4,7 +4,7 @@ Typical usage::
 
     from weightsync.plan import build_inputs, build_plan, verify_plan, summarize
     inputs = build_inputs(spec, train, rollout, trainer_layout=..., engine_layout=...)
-    plan = build_plan(inputs, "p2p")
+    plan = build_plan(inputs, Mode.P2P)
     report = verify_plan(plan, inputs)          # raises PlanVerificationError
     print(summarize(plan, inputs))
 """
@@ -20,19 +20,14 @@ from weightsync.plan.broadcast import DEFAULT_BUCKET_BYTES, gathered_layouts, pl
 from weightsync.plan.inputs import PlanInputs
 from weightsync.plan.ops import CopyOp
 from weightsync.plan.p2p import plan_p2p, plan_p2p_for_rank
-from weightsync.plan.records import MODES, Plan
+from weightsync.plan.records import Mode, Plan
 from weightsync.plan.table import OpTable
 from weightsync.plan.util import paused_gc
 from weightsync.plan.verify import VerifyReport, verify_ops
 
 
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unknown plan mode {mode!r}; choose one of {', '.join(MODES)}")
-
-
-def build_plan(inputs: PlanInputs, mode: str = "p2p", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
-    """The whole plan of ``mode`` (``"p2p"`` or ``"broadcast"``).
+def build_plan(inputs: PlanInputs, mode: Mode | str = Mode.P2P, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+    """The whole plan of ``mode`` (a :class:`~weightsync.plan.records.Mode` or its string).
 
     Args:
         inputs: planner inputs (:func:`weightsync.plan.inputs.build_inputs`).
@@ -45,14 +40,14 @@ def build_plan(inputs: PlanInputs, mode: str = "p2p", *, bucket_bytes: int = DEF
     Raises:
         ValueError: unknown mode, or layouts that cannot be planned (message names the tensor).
     """
-    _check_mode(mode)
+    mode = Mode.parse(mode)
     with paused_gc():
-        if mode == "p2p":
+        if mode is Mode.P2P:
             return plan_p2p(inputs)
         return plan_broadcast(inputs, bucket_bytes=bucket_bytes)
 
 
-def plan_for_rank(inputs: PlanInputs, mode: str = "p2p", *, src_rank: int | None = None,
+def plan_for_rank(inputs: PlanInputs, mode: Mode | str = Mode.P2P, *, src_rank: int | None = None,
                   dst_rank: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
     """One rank's share of :func:`build_plan`: the ops trainer ``src_rank`` sends or rollout
     ``dst_rank`` receives, equal to filtering the whole plan (same order), computed locally.
@@ -67,18 +62,18 @@ def plan_for_rank(inputs: PlanInputs, mode: str = "p2p", *, src_rank: int | None
     Returns:
         A partial plan.
     """
-    _check_mode(mode)
+    mode = Mode.parse(mode)
     if (src_rank is None) == (dst_rank is None):
         raise ValueError("give exactly one of src_rank and dst_rank")
     with paused_gc():
-        if mode == "p2p":
+        if mode is Mode.P2P:
             return plan_p2p_for_rank(inputs, src_rank=src_rank, dst_rank=dst_rank)
         return plan_broadcast(inputs, bucket_bytes=bucket_bytes, dst_rank=dst_rank, src_rank=src_rank)
 
 
 def plan_source_layouts(plan: Plan, inputs: PlanInputs) -> tuple[tuple[LocalTensor, ...], ...]:
     """The source tensors the plan's ops read: trainer layouts (p2p) or gathered tensors (broadcast)."""
-    return inputs.source_layouts if plan.mode == "p2p" else gathered_layouts(inputs)
+    return inputs.source_layouts if plan.mode is Mode.P2P else gathered_layouts(inputs)
 
 
 def verify_plan(plan: Plan, inputs: PlanInputs, table: OpTable | None = None) -> VerifyReport:

@@ -14,6 +14,7 @@ receives the whole model, see :mod:`weightsync.plan.records`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from weightsync.layout.box import LocalTensor, Piece, box_volume, full_box
@@ -22,10 +23,35 @@ from weightsync.plan.cut_table import NameTable, build_cut_table
 from weightsync.plan.cuts import Cutter, SourceIndex
 from weightsync.plan.inputs import PlanInputs
 from weightsync.plan.p2p import HolderRule, assemble, expand, source_globals, tensors_touching
-from weightsync.plan.records import Bucket, Plan
+from weightsync.plan.records import Bucket, Mode, Plan
 
-DEFAULT_BUCKET_BYTES = 1 << 30
-"""The reference system's default ``BUCKET_SIZE_GB`` = 1."""
+GIB = 1 << 30
+"""The unit of every bucket-size knob (``BUCKET_SIZE_GB``, ``--bucket-gb``): GiB, 2**30 bytes."""
+DEFAULT_BUCKET_GB = 1.0
+"""The reference system's default ``BUCKET_SIZE_GB``, in GiB."""
+
+
+def bucket_bytes_from_gb(gb: float | str, *, what: str = "bucket size") -> int:
+    """A bucket size in GiB (``BUCKET_SIZE_GB``, ``--bucket-gb``; a number or its text) in bytes:
+    ``int(gb * 2**30)``. The one parse of the knob: the environment reader and the flags call it.
+
+    Args:
+        gb: the size in GiB.
+        what: the knob's name, for the error message.
+
+    Raises:
+        ValueError: ``gb`` is not a finite number, or is under one byte (the message names ``what``).
+    """
+    try:
+        x = float(gb)
+    except ValueError:
+        raise ValueError(f"{what} must be a number of GiB (2**30 bytes), got {gb!r}") from None
+    if not (math.isfinite(x) and x * GIB >= 1):
+        raise ValueError(f"{what} must be a positive number of GiB (2**30 bytes, at least one byte), got {gb!r}")
+    return int(x * GIB)
+
+
+DEFAULT_BUCKET_BYTES = bucket_bytes_from_gb(DEFAULT_BUCKET_GB)
 
 
 def megatron_stage(inputs: PlanInputs) -> Callable[[int], int]:
@@ -156,12 +182,12 @@ def plan_broadcast(inputs: PlanInputs, *, bucket_bytes: int = DEFAULT_BUCKET_BYT
     chunks = []
     for d in dst:
         chunks.extend(expand(tables[d % tp], rule, [d], src_rank))
-    plan = assemble("broadcast", inputs, names, chunks)
+    plan = assemble(Mode.BROADCAST, inputs, names, chunks)
     total = sum(b.nbytes for b in buckets)
     sender = [0] * inputs.train.world_size
     for b in buckets:
         sender[b.src_rank] += b.nbytes
     receiver = tuple(total if d in dst else 0 for d in range(inputs.num_dest))
-    return Plan(mode="broadcast", table=plan.table, sender_bytes=tuple(sender), receiver_bytes=receiver,
+    return Plan(mode=Mode.BROADCAST, table=plan.table, sender_bytes=tuple(sender), receiver_bytes=receiver,
                 dst_rank=dst_rank, src_rank=src_rank, buckets=buckets,
                 gather_bytes=_gather_bytes(inputs, gathered) if whole else 0)

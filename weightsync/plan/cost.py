@@ -16,7 +16,7 @@ import numpy as np
 
 from weightsync.models.hf import DTYPE_BYTES
 from weightsync.plan.inputs import PlanInputs
-from weightsync.plan.records import Plan
+from weightsync.plan.records import Mode, Plan
 
 LINK_CLASSES = ("local", "node", "network")
 
@@ -83,7 +83,7 @@ def estimate(plan: Plan, inputs: PlanInputs, bandwidth: LinkBandwidth | None = N
     bw = bandwidth or LinkBandwidth()
     rate = np.array([bw.local, bw.node, bw.network])
     n_src, n_dst = inputs.train.world_size, inputs.num_dest
-    if plan.mode == "p2p":
+    if plan.mode is Mode.P2P:
         t = plan.table
         nbytes = np.prod(t.d_hi.astype(np.int64) - t.d_lo, axis=1) * _dest_itemsize(plan, inputs)
         cls = link_class(inputs, t.src_rank, t.dst_rank)

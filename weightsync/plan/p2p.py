@@ -29,7 +29,7 @@ from weightsync.plan.cut_table import CutTable, HolderTable, NameTable, build_cu
 from weightsync.plan.cuts import Cutter, SourceIndex
 from weightsync.plan.inputs import PlanInputs
 from weightsync.plan.ops import TRANSFORMS
-from weightsync.plan.records import Plan
+from weightsync.plan.records import Mode, Plan
 from weightsync.plan.table import OpTable
 
 
@@ -151,7 +151,7 @@ def coalesce_chunk(rt: CutTable, sel: np.ndarray, cols: dict[str, np.ndarray]) -
     return out
 
 
-def assemble(mode: str, inputs: PlanInputs, names: NameTable, chunks: list[dict[str, np.ndarray]],
+def assemble(mode: Mode, inputs: PlanInputs, names: NameTable, chunks: list[dict[str, np.ndarray]],
              **plan_fields: object) -> Plan:
     """Concatenate op chunks into a plan; per-rank bytes count the chunks' ops."""
     cols = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]} if chunks else None
@@ -202,7 +202,7 @@ def plan_p2p(inputs: PlanInputs, sources: SourceIndex | None = None) -> Plan:
     chunks = []
     for d in range(inputs.num_dest):
         chunks.extend(expand(tables[d % tp], rule, [d], None))
-    return assemble("p2p", inputs, names, chunks)
+    return assemble(Mode.P2P, inputs, names, chunks)
 
 
 def plan_p2p_for_rank(inputs: PlanInputs, *, src_rank: int | None = None, dst_rank: int | None = None,
@@ -244,7 +244,7 @@ def plan_p2p_for_rank(inputs: PlanInputs, *, src_rank: int | None = None, dst_ra
     chunks = []
     for d in dst:
         chunks.extend(expand(tables[d % tp], rule, [d], src_rank))
-    return assemble("p2p", inputs, names, chunks, src_rank=src_rank, dst_rank=dst_rank)
+    return assemble(Mode.P2P, inputs, names, chunks, src_rank=src_rank, dst_rank=dst_rank)
 
 
 def source_globals(inputs: PlanInputs, only: dict[int, set[int] | None]) -> set[str]:

@@ -14,11 +14,31 @@ Accounting (the same fields for ``p2p`` and ``broadcast``, so that the modes com
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from weightsync.plan.ops import CopyOp
 from weightsync.plan.table import OpTable
 
-MODES = ("p2p", "broadcast")
+
+class Mode(StrEnum):
+    """A transfer mode: the plan's, and each update's (a run of both modes alternates them)."""
+
+    P2P = "p2p"
+    """Every trainer rank writes the bytes each rollout rank needs straight into its memory."""
+    BROADCAST = "broadcast"
+    """The baseline: stage sources gather full tensors and broadcast them bucket by bucket."""
+
+    @classmethod
+    def parse(cls, value: str) -> Mode:
+        """``value`` as a mode.
+
+        Raises:
+            ValueError: not a mode (the message lists them).
+        """
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown plan mode {value!r}; choose one of {', '.join(cls)}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,7 +55,7 @@ class Bucket:
 class Plan:
     """The ops of one transfer (or one rank's share of them) and their byte accounting."""
 
-    mode: str
+    mode: Mode
     table: OpTable
     """The ops, columnar, in execution order: by destination rank, then destination layout order."""
     sender_bytes: tuple[int, ...]
@@ -52,8 +72,7 @@ class Plan:
     _ops: list[CopyOp] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"plan mode must be one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", Mode.parse(self.mode))  # a record read back holds the string
 
     @property
     def ops(self) -> list[CopyOp]:

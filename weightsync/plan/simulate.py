@@ -24,7 +24,7 @@ from weightsync.layout.box import LocalTensor, box_shape, box_slices
 from weightsync.plan.api import plan_source_layouts
 from weightsync.plan.inputs import PlanInputs
 from weightsync.plan.ops import CopyOp
-from weightsync.plan.records import Plan
+from weightsync.plan.records import Mode, Plan
 from weightsync.quant.fp8 import block_scale_inv, quantize_block_fp8
 
 TORCH_DTYPES = {
@@ -162,7 +162,7 @@ def simulate(inputs: PlanInputs, plan: Plan, *, seed: int = 0) -> SimulationRepo
     globals_ = random_globals(inputs, seed)
     shards = [_fill(ts, globals_) for ts in inputs.source_layouts]
     expected_vals = engine_values(inputs, globals_)
-    if plan.mode == "broadcast":
+    if plan.mode is Mode.BROADCAST:
         shards = _gather(inputs, shards, plan_source_layouts(plan, inputs))
     dest = [_zeros(inputs.dest_layout(d)) for d in range(inputs.num_dest)]
     for op in plan.ops:

@@ -16,8 +16,9 @@ The HF checkpoint is ``--hf-checkpoint DIR`` when given (checked against the mod
 copied, or used in place when it already is ``<ckpt>/<name>``), an HF checkpoint already at
 ``<ckpt>/<name>`` (e.g. downloaded there), or else a SYNTHETIC one: seeded random-init weights
 with the model's real config and tensor layout (no model hub is reachable from these machines;
-the loading code is the same). The torch_dist shards are those of ``--train`` (default: the
-model's run profile when it fits the scale, else a small configuration, see
+the loading code is the same). The torch_dist shards are those of ``PrepareConfig.train`` (the
+command's ``--train``, over the run profile: :func:`weightsync.models.fit.profile_sizes`; default:
+the model's run profile when it fits the scale, else a small configuration, see
 :func:`default_train`).
 
 Every step is idempotent and atomic (:mod:`weightsync.sources.output_dir`): a complete output
@@ -72,41 +73,6 @@ def checkpoint_paths(ckpt_dir: str | Path, model: str, scale: str) -> Checkpoint
     name = output_name(model, scale)
     return CheckpointPaths(root=root, hf=root / name, torch_dist=root / f"{name}_torch_dist",
                            datasets=root / "datasets")
-
-
-def parse_train(text: str, *, mla_down_proj_replicated: bool = False) -> TrainParallel:
-    """Parse ``"tp=2,pp=1,cp=1,ep=2,etp=1,world=4,last=3,mla_rep=1"`` (any subset; ``dp=N`` sets
-    the world; ``mla_rep`` 0 or 1 sets ``mla_down_proj_replicated``, else the keyword's value).
-
-    Without ``world``/``dp`` the world is the smallest that both the dense and the expert
-    numbering divide (``lcm(tp*cp*pp, etp*ep*pp)``).
-
-    Raises:
-        ValueError: an unknown key, a non-integer value, ``mla_rep`` not 0 or 1, or sizes that
-            do not divide.
-    """
-    keys = {"tp", "pp", "cp", "ep", "etp", "world", "dp", "last", "mla_rep"}
-    vals: dict[str, int] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        k, sep, v = item.partition("=")
-        if not sep or k.strip() not in keys or not v.strip().isdigit():
-            raise ValueError(f"bad --train item {item!r}: expected key=N with key in {sorted(keys)}")
-        vals[k.strip()] = int(v)
-    if vals.get("mla_rep", 0) not in (0, 1):
-        raise ValueError(f"bad --train item mla_rep={vals['mla_rep']}: expected 0 or 1")
-    rep = bool(vals["mla_rep"]) if "mla_rep" in vals else mla_down_proj_replicated
-    sizes = {k: vals.get(k, 1) for k in ("tp", "pp", "cp", "ep", "etp")}
-    dense, expert = sizes["tp"] * sizes["cp"] * sizes["pp"], sizes["etp"] * sizes["ep"] * sizes["pp"]
-    if "world" in vals:
-        world = vals["world"]
-    elif "dp" in vals:
-        world = dense * vals["dp"]
-    else:
-        from math import lcm
-
-        world = lcm(dense, expert)
-    return TrainParallel(world_size=world, pp_last_stage_layers=vals.get("last"), mla_down_proj_replicated=rep,
-                         **sizes)
 
 
 def _profile_mla_rep(model: str) -> bool:

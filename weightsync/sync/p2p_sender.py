@@ -35,6 +35,7 @@ import torch
 from weightsync.layout.box import LocalTensor, box_shape, box_slices, box_volume
 from weightsync.plan.ops import CopyOp, box_runs
 from weightsync.quant.fp8 import block_scale_inv, quantize_block_fp8
+from weightsync.quant.fp8_fused import FusedQuant, QuantTask
 from weightsync.transport import Peer, PeerDescriptor, Transport, WriteBatch, WriteHandle, deadline_after
 from weightsync.transport.records import Region
 
@@ -235,6 +236,7 @@ class P2PSender:
         self._peers: dict[int, Peer] = {r: transport.connect(d.descriptor) for r, d in dests.items()}
         self._direct = self._rotate(self._compile_direct(direct), ops)
         self._bucket_runs = [self._compile_bucket(b, half=i % 2) for i, b in enumerate(self._buckets)]
+        self._packs = [self._compile_pack(b, half=i % 2) for i, b in enumerate(self._buckets)]
         self.bytes_direct = sum(b.nbytes for b in self._direct.values())
         self.bytes_staged = sum(s.nbytes for b in self._buckets for s in b)
 
@@ -327,11 +329,64 @@ class P2PSender:
             per_dest[s.op.dst_rank].append(_pair([(s.offset, s.nbytes)], d_runs, base, dp.addr))
         return {r: self.transport.prepare(self._peers[r], np.concatenate(rs)) for r, rs in per_dest.items()}
 
+    def _compile_pack(self, bucket: Sequence[_Staged], half: int) -> tuple[list[FusedQuant], list[_Staged]]:
+        """The bucket's fp8 ops as fused quantization tables (one per fp8 block size), and the ops
+        packed one at a time (casts, and boxes the tables cannot express).
+
+        An ``fp8_scale`` op whose weight box is quantized by an ``fp8_quant`` op of the same bucket
+        joins that op's task, so the source is read once for the values and the scales.
+        """
+        staging = self._staging[half]
+        tasks: dict[tuple[int, int], list[QuantTask]] = defaultdict(list)
+        rest: list[_Staged] = []
+        quant_at: dict[tuple[str, tuple[tuple[int, int], ...]], tuple[tuple[int, int], int]] = {}
+        scales: list[tuple[_Staged, torch.Tensor, torch.Tensor]] = []
+        for s in bucket:
+            op = s.op
+            dp = self.dests[op.dst_rank].params[op.dst_param]
+            src = self._quant_source(op) if op.transform in ("fp8_quant", "fp8_scale") else None
+            if src is None:
+                rest.append(s)
+                continue
+            block = self._block(op)
+            out = staging[s.offset : s.offset + s.nbytes].view(dp.dtype)
+            if op.transform == "fp8_quant" and dp.dtype == torch.float8_e4m3fn:
+                quant_at[(op.src_param, op.src_box)] = (block, len(tasks[block]))
+                tasks[block].append(QuantTask(src=src, q=out.view(src.shape)))
+            elif op.transform == "fp8_scale" and dp.dtype == torch.float32:
+                nr, nc = -(-src.shape[0] // block[0]), -(-src.shape[1] // block[1])
+                if out.numel() != nr * nc:
+                    rest.append(s)
+                    continue
+                scales.append((s, src, out.view(nr, nc)))
+            else:
+                rest.append(s)
+        for s, src, out in scales:
+            block = self._block(s.op)
+            hit = quant_at.pop((s.op.src_param, s.op.src_box), None)
+            if hit is not None and hit[0] == block:
+                t = tasks[block][hit[1]]
+                tasks[block][hit[1]] = QuantTask(src=t.src, q=t.q, scale=out)
+            else:
+                tasks[block].append(QuantTask(src=src, scale=out))
+        return [FusedQuant(ts, block) for block, ts in tasks.items()], rest
+
+    def _quant_source(self, op: CopyOp) -> torch.Tensor | None:
+        """The op's source box as a 2-D view of the parameter (None when it is not one)."""
+        view = self.params[op.src_param][box_slices(op.src_box)]
+        if view.dim() < 2 or any(d != 1 for d in view.shape[:-2]):
+            return None
+        view = view.reshape(view.shape[-2:])
+        return view if view.shape[1] <= 1 or view.stride(1) == 1 else None
+
     # -- replay (every step) ------------------------------------------------------------------
 
-    def _pack(self, bucket: Sequence[_Staged], half: int) -> None:
+    def _pack(self, index: int, half: int) -> None:
+        fused, rest = self._packs[index]
+        for f in fused:
+            f.run()
         staging = self._staging[half]
-        for s in bucket:
+        for s in rest:
             op = s.op
             dp = self.dests[op.dst_rank].params[op.dst_param]
             src = self.params[op.src_param][box_slices(op.src_box)]
@@ -366,12 +421,12 @@ class P2PSender:
         pending: list[WriteHandle] = [self.transport.write(self._peers[r], b) for r, b in self._direct.items()]
         in_flight: list[list[WriteHandle]] = [[], []]
         pack_s = 0.0
-        for i, bucket in enumerate(self._buckets):
+        for i in range(len(self._buckets)):
             half = i % 2
             for h in in_flight[half]:  # the half we pack into must have been written out
                 self.transport.wait(h, deadline)
             tp = time.perf_counter()
-            self._pack(bucket, half)
+            self._pack(i, half)
             if self._staging[half].is_cuda:
                 torch.cuda.current_stream().synchronize()
             pack_s += time.perf_counter() - tp

@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
+
+from weightsync.transport import cuda_batch
+
+log = logging.getLogger(__name__)
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
@@ -96,6 +103,7 @@ class CudaRuntime:
         drv = ctypes.CDLL("libcuda.so.1")
         sigs = {
             "cudaGetErrorString": ([ctypes.c_int], ctypes.c_char_p),
+            "cudaRuntimeGetVersion": ([ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
             "cudaGetDevice": ([ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
             "cudaSetDevice": ([ctypes.c_int], ctypes.c_int),
             "cudaPointerGetAttributes": ([ctypes.POINTER(PointerAttributes), _vp], ctypes.c_int),
@@ -187,20 +195,53 @@ class DeviceCopier:
     """Issues copies on a private non-blocking stream of one device; completion is an event.
 
     Each submission first waits for the work already queued on torch's current stream of the
-    device, so a staging buffer packed there is complete before it is read.
+    device, so a staging buffer packed there is complete before it is read. How the runs of a
+    submission are copied is ``method`` (:data:`~weightsync.transport.cuda_batch.COPY_METHODS`):
+    a batch of at least :data:`~weightsync.transport.cuda_batch.MIN_BATCHED_RUNS` runs goes as one
+    Triton kernel launch over a device chunk table (``kernel``) or one ``cudaMemcpyBatchAsync``
+    (``memcpy_batch``), prepared on its first submission and kept while its ``blocks`` array
+    lives; smaller batches, and every batch with ``runs``, issue one ``cudaMemcpyAsync`` /
+    ``cudaMemcpy2DAsync`` per run or 2-D block.
     """
 
-    def __init__(self, rt: CudaRuntime, device: int) -> None:
+    def __init__(self, rt: CudaRuntime, device: int, *, method: str | None = None) -> None:
         self.rt, self.device = rt, device
+        self.method = cuda_batch.copy_method(method)
+        if self.method == "kernel" and not cuda_batch.triton_available():
+            log.warning("Triton is not importable: device copies fall back to one cudaMemcpyAsync per run")
+            self.method = "runs"
+        self._memcpy_batch = cuda_batch.bind_memcpy_batch(rt.rt) if self.method == "memcpy_batch" else None
+        if self.method == "memcpy_batch" and self._memcpy_batch is None:
+            log.warning("this CUDA runtime has no cudaMemcpyBatchAsync: device copies issue one copy per run")
+            self.method = "runs"
         stream = _vp()
         with rt.on_device(device):
             rt.check(rt.rt.cudaStreamCreateWithFlags(ctypes.byref(stream), STREAM_NON_BLOCKING), "cudaStreamCreate")
         self.stream = stream
+        self._torch_stream = torch.cuda.ExternalStream(int(stream.value or 0), device=torch.device("cuda", device))
+        self._prepared: dict[int, tuple[Any, Any]] = {}
 
     def _event(self) -> _vp:
         ev = _vp()
         self.rt.check(self.rt.rt.cudaEventCreateWithFlags(ctypes.byref(ev), EVENT_DISABLE_TIMING), "cudaEventCreate")
         return ev
+
+    def _batched(self, blocks: np.ndarray) -> Any:
+        """The prepared batched copy of ``blocks`` (built on first use), or None for the per-run path."""
+        if self.method == "runs" or int(blocks[:, 3].sum()) < cuda_batch.MIN_BATCHED_RUNS:
+            return None
+        key = id(blocks)
+        hit = self._prepared.get(key)
+        if hit is not None and hit[0]() is blocks:
+            return hit[1]
+        runs = cuda_batch.block_runs(blocks)
+        if self.method == "kernel":
+            prepared: Any = cuda_batch.KernelBatch(runs, torch.device("cuda", self.device))
+        else:
+            assert self._memcpy_batch is not None
+            prepared = cuda_batch.MemcpyBatch(runs, self.device, self._memcpy_batch)
+        self._prepared[key] = (weakref.ref(blocks, lambda _r, k=key: self._prepared.pop(k, None)), prepared)
+        return prepared
 
     def submit(self, blocks: np.ndarray) -> _vp:
         """Enqueue the 2-D blocks (``strided_blocks`` rows); returns the completion event."""
@@ -210,19 +251,29 @@ class DeviceCopier:
             rt.check(lib.cudaEventRecord(ready, torch.cuda.current_stream(self.device).cuda_stream), "cudaEventRecord")
             rt.check(lib.cudaStreamWaitEvent(self.stream, ready, 0), "cudaStreamWaitEvent")
             rt.check(lib.cudaEventDestroy(ready), "cudaEventDestroy")
-            for s, d, w, h, sp, dp in blocks.tolist():
-                if h > 1 and max(sp, dp) <= MAX_PITCH:
-                    ret = lib.cudaMemcpy2DAsync(d, dp, s, sp, w, h, MEMCPY_DEFAULT, self.stream)
-                    if ret != CUDA_SUCCESS:
-                        rt.check(ret, f"cudaMemcpy2DAsync({d:#x} <- {s:#x}, {w} x {h})")
-                    continue
-                for r in range(h):
-                    ret = lib.cudaMemcpyAsync(d + r * dp, s + r * sp, w, MEMCPY_DEFAULT, self.stream)
-                    if ret != CUDA_SUCCESS:
-                        rt.check(ret, f"cudaMemcpyAsync({d + r * dp:#x} <- {s + r * sp:#x}, {w})")
+            batched = self._batched(blocks) if len(blocks) else None
+            if isinstance(batched, cuda_batch.KernelBatch):
+                batched.launch(self._torch_stream)
+            elif batched is not None:
+                rt.check(batched.launch(self.stream.value), f"cudaMemcpyBatchAsync ({batched.count} copies)")
+            else:
+                self._submit_runs(blocks)
             done = self._event()
             rt.check(lib.cudaEventRecord(done, self.stream), "cudaEventRecord")
         return done
+
+    def _submit_runs(self, blocks: np.ndarray) -> None:
+        rt, lib = self.rt, self.rt.rt
+        for s, d, w, h, sp, dp in blocks.tolist():
+            if h > 1 and max(sp, dp) <= MAX_PITCH:
+                ret = lib.cudaMemcpy2DAsync(d, dp, s, sp, w, h, MEMCPY_DEFAULT, self.stream)
+                if ret != CUDA_SUCCESS:
+                    rt.check(ret, f"cudaMemcpy2DAsync({d:#x} <- {s:#x}, {w} x {h})")
+                continue
+            for r in range(h):
+                ret = lib.cudaMemcpyAsync(d + r * dp, s + r * sp, w, MEMCPY_DEFAULT, self.stream)
+                if ret != CUDA_SUCCESS:
+                    rt.check(ret, f"cudaMemcpyAsync({d + r * dp:#x} <- {s + r * sp:#x}, {w})")
 
     def wait(self, event: _vp, deadline: float) -> bool:
         """Poll ``event`` until done (True, event destroyed) or ``deadline`` passes (False)."""
@@ -241,21 +292,11 @@ class DeviceCopier:
 
     def close(self) -> None:
         """Finish queued copies and destroy the stream."""
+        self._prepared.clear()
         with self.rt.on_device(self.device):
             self.rt.check(self.rt.rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
             self.rt.check(self.rt.rt.cudaStreamDestroy(self.stream), "cudaStreamDestroy")
 
 
-def device_tensor(addr: int, nbytes: int, device: int) -> torch.Tensor:
-    """A uint8 torch view of raw device memory (no ownership), via ``__cuda_array_interface__``."""
-
-    class _Raw:
-        __cuda_array_interface__ = {  # noqa: RUF012 -- a per-call record, never mutated
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (addr, False),
-            "version": 3,
-            "strides": None,
-        }
-
-    return torch.as_tensor(_Raw(), device=f"cuda:{device}")
+device_tensor = cuda_batch.raw_device_tensor
+"""A uint8 torch view of raw device memory (no ownership)."""
