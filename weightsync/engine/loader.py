@@ -26,7 +26,7 @@ from weightsync.layout.box import box_slices
 from weightsync.models.checkpoint import HFCheckpoint, synthetic_hf_tensor
 from weightsync.models.hf import GlobalTensor, global_tensors
 from weightsync.models.spec import ModelSpec
-from weightsync.quant.mla import derive_w_kc_w_vc
+from weightsync.quant.mla import derive_all, mla_layers
 from weightsync.sync.params import ParamStore, write_global
 
 logger = logging.getLogger(__name__)
@@ -188,20 +188,8 @@ def run_post_load(store: ParamStore, spec: ModelSpec) -> float:
         Seconds spent (device-synchronized).
     """
     t0 = time.perf_counter()
-    for name in store.derived_names():
-        if not name.endswith(".w_kc"):
-            continue
-        prefix = name.removesuffix("w_kc")
-        kv_b = prefix + "kv_b_proj.weight"
-        derive_w_kc_w_vc(
-            store[kv_b],
-            store[name],
-            store[prefix + "w_vc"],
-            qk_nope_head_dim=spec.qk_nope_head_dim,
-            v_head_dim=spec.v_head_dim,
-            scale_inv=store.get(kv_b + "_scale_inv"),
-            block=spec.fp8_block,
-        )
+    derive_all(mla_layers(store.derived_names(), store.get), qk_nope_head_dim=spec.qk_nope_head_dim,
+               v_head_dim=spec.v_head_dim, block=spec.fp8_block)  # one launch for every layer on a GPU
     if store.device.type == "cuda":
         torch.cuda.synchronize(store.device)
     return time.perf_counter() - t0

@@ -12,7 +12,7 @@ Legend: ``h`` local heads, ``nope`` qk_nope_head_dim, ``v`` v_head_dim, ``c`` kv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -172,3 +172,26 @@ def _derive_group(items: list[MlaLayer], nope: int, v: int, block: tuple[int, in
     heads = first.kv_b.shape[0] // (nope + v)
     _mla_kernel.launch(table, refs["kv"], refs["sc"], refs["kc"], refs["vc"], layers=len(items), heads=heads,
                        nope=nope, v=v, rank=first.kv_b.shape[1], block=block or (1, 1), fp8=fp8)
+
+
+def mla_layers(derived_names: Sequence[str], get: Callable[[str], torch.Tensor | None]) -> list[MlaLayer]:
+    """The MLA layers of an engine's parameters: each derived ``...w_kc`` with its ``w_vc``, the
+    ``kv_b_proj.weight`` they come from and its ``weight_scale_inv`` when there is one.
+
+    Args:
+        derived_names: names of the derived tensors.
+        get: parameter by name (None when absent).
+
+    Raises:
+        ValueError: a ``w_kc`` without its ``w_vc`` or ``kv_b_proj.weight``.
+    """
+    out = []
+    for name in derived_names:
+        if not name.endswith(".w_kc"):
+            continue
+        prefix = name.removesuffix("w_kc")
+        kv_b, w_kc, w_vc = get(prefix + "kv_b_proj.weight"), get(name), get(prefix + "w_vc")
+        if kv_b is None or w_kc is None or w_vc is None:
+            raise ValueError(f"{name} needs {prefix}w_vc and {prefix}kv_b_proj.weight beside it")
+        out.append(MlaLayer(kv_b=kv_b, w_kc=w_kc, w_vc=w_vc, scale_inv=get(prefix + "kv_b_proj.weight_scale_inv")))
+    return out
