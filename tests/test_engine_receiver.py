@@ -17,8 +17,8 @@ from weightsync.sync.p2p_receiver import PARAMS_REGION, Receiver
 
 def test_shm_receiver_publishes_one_region_and_takes_writes() -> None:
     layout = engine_layout(tiny("Kimi-K2"), RolloutParallel(), 0)
-    receiver, store = Receiver.open("shm", layout, device=torch.device("cpu"), rank=0)
-    writer = transport.make_transport("shm")
+    receiver, store = Receiver.open(transport.TransportConfig(kind="shm"), layout, device=torch.device("cpu"), rank=0)
+    writer = transport.TransportConfig(kind="shm").make()
     try:
         desc = transport.PeerDescriptor.from_json(receiver.descriptor())
         assert desc.kind == "shm"
@@ -45,6 +45,18 @@ def test_shm_receiver_publishes_one_region_and_takes_writes() -> None:
 def test_unsuitable_transports_are_refused() -> None:
     layout = engine_layout(tiny("Qwen3-4B"), RolloutParallel(), 0)
     with pytest.raises(ValueError, match="receives through one of"):
-        Receiver.open("dist", layout, device=torch.device("cpu"), rank=0)
+        Receiver.open(transport.TransportConfig(kind="dist"), layout, device=torch.device("cpu"), rank=0)
     with pytest.raises(ValueError, match="needs a CUDA engine"):
-        Receiver.open("cuda_ipc", layout, device=torch.device("cpu"), rank=0)
+        Receiver.open(transport.TransportConfig(kind="cuda_ipc"), layout, device=torch.device("cpu"), rank=0)
+
+
+def test_no_transport_is_a_plain_allocation() -> None:
+    layout = engine_layout(tiny("Qwen3-4B"), RolloutParallel(), 0)
+    receiver, store = Receiver.open(None, layout, device=torch.device("cpu"), rank=0)
+    try:
+        assert receiver.kind == "none"
+        assert receiver.descriptor() is None
+        assert set(store.names()) == {t.name for t in layout}
+    finally:
+        store.close()
+        receiver.close()

@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     modes = "+".join(cfg.modes)
     print(
         f"weightsync bench {cfg.model} {cfg.scale}: train {args.train} ({cfg.train.world_size} ranks) -> rollout "
-        f"{args.rollout} ({cfg.rollout.world_size} ranks), {cfg.device}/{cfg.transport}, modes {modes}, "
+        f"{args.rollout} ({cfg.rollout.world_size} ranks), {cfg.device}/{cfg.transport.kind}, modes {modes}, "
         f"{cfg.repeats} timed runs after a warm-up",
         flush=True,
     )

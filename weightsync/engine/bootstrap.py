@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from weightsync.layout.sglang import check_engine_parallel
 from weightsync.models import get_model
 from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
+from weightsync.transport import TransportConfig, TransportKind
 
 if TYPE_CHECKING:
     from weightsync.engine.config import ServeConfig
@@ -46,12 +47,20 @@ def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
     return spec, par
 
 
-def transport_options(cfg: ServeConfig) -> dict[str, Any]:
-    """Constructor options of the engine's p2p transport (only mooncake takes any from the CLI)."""
-    if cfg.transport != "mooncake":
-        return {}
+def transport_config(cfg: ServeConfig) -> TransportConfig | None:
+    """The engine's p2p transport as its command line gives it (None: ``--transport none``).
+
+    The kind arrives resolved (a launcher resolved ``auto`` with the run's placement); the
+    engine adds what only it knows: its own address for Mooncake peers. Each rank binds its
+    CUDA device when it opens the transport.
+    """
+    if cfg.transport == "none":
+        return None
+    if cfg.transport != TransportKind.MOONCAKE:
+        return TransportConfig(kind=cfg.transport)
     host = cfg.host if cfg.host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
-    return {"protocol": cfg.mooncake_protocol, "device": cfg.mooncake_device, "hostname": host}
+    return TransportConfig(kind=cfg.transport, mooncake_protocol=cfg.mooncake_protocol,
+                           mooncake_device=cfg.mooncake_device, mooncake_hostname=host)
 
 
 def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: int, port: int) -> Engine:
@@ -85,8 +94,7 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
         groups,
         device=device,
         compute_dtype=dtype,
-        transport=cfg.transport,
-        transport_options=transport_options(cfg),
+        transport=transport_config(cfg),
     )
     error: BaseException | None = None
     try:

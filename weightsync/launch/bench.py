@@ -96,12 +96,13 @@ def broadcast_skip_reason(
 
 def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
     """The :class:`BenchConfig` of the command line, and notes about what was changed or skipped."""
-    from weightsync.launch.bench_worker import BenchConfig
+    from weightsync.launch.bench_worker import BenchConfig, bench_placement
     from weightsync.layout.megatron import trainer_layout
     from weightsync.layout.sglang import engine_layout
     from weightsync.models import get_model
     from weightsync.plan.broadcast import bucket_bytes_from_gb, plan_broadcast
     from weightsync.plan.inputs import build_inputs
+    from weightsync.transport import TransportConfig
 
     train, rollout = profile_sizes(args.model, args.train, args.rollout)
     spec = get_model(args.model, args.scale)
@@ -125,7 +126,10 @@ def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
         if why is not None:
             notes.append("broadcast skipped: " + why)
             modes = tuple(m for m in modes if m is not Mode.BROADCAST)
-    transport = args.transport if args.transport != "auto" else ("cuda_ipc" if args.device == "cuda" else "shm")
+    trainers, engines = bench_placement(args.device, train, rollout, train_gpus, rollout_gpus)
+    transport = TransportConfig.resolve(
+        args.transport, [(a, b) for a in trainers for b in engines], on_gpu=args.device == "cuda"
+    )
     cfg = BenchConfig(
         model=args.model,
         scale=args.scale,
@@ -359,7 +363,7 @@ def summarize(cfg: Any, results: list[dict[str, Any]], notes: list[str]) -> dict
         "train": asdict(cfg.train),
         "rollout": asdict(cfg.rollout),
         "device": cfg.device,
-        "transport": cfg.transport,
+        "transport": cfg.transport.kind.value,
         "modes": list(cfg.modes),
         "repeats": cfg.repeats,
         "bucket_bytes": cfg.bucket_bytes,

@@ -52,6 +52,7 @@ from weightsync.models.hf import DTYPE_BYTES
 from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
 from weightsync.plan.inputs import PlanInputs, build_inputs
 from weightsync.sync.params import ParamStore
+from weightsync.transport import PeerDescriptor, TransportConfig, TransportKind, deadline_after
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,8 @@ class BenchConfig:
     """CUDA: GPU of each trainer rank."""
     rollout_gpus: tuple[int, ...] = ()
     """CUDA: GPU of each rollout rank."""
-    transport: str = "shm"
+    transport: TransportConfig = field(default_factory=lambda: TransportConfig(kind=TransportKind.SHM))
+    """The p2p transport (resolved; each rank binds its own GPU)."""
     threads: int = 1
     """torch CPU threads per process."""
     local_copy_bytes: int = 4 << 30
@@ -129,10 +131,22 @@ class BenchConfig:
 
     def placement(self) -> tuple[list[Device], list[Device]]:
         """Devices for the planner: the GPUs on CUDA, distinct slots on CPU."""
-        if self.device == "cuda":
-            return [Device(0, g) for g in self.train_gpus], [Device(0, g) for g in self.rollout_gpus]
-        t = self.train.world_size
-        return [Device(0, i) for i in range(t)], [Device(0, t + i) for i in range(self.rollout.world_size)]
+        return bench_placement(self.device, self.train, self.rollout, self.train_gpus, self.rollout_gpus)
+
+
+def bench_placement(
+    device: str,
+    train: TrainParallel,
+    rollout: RolloutParallel,
+    train_gpus: tuple[int, ...],
+    rollout_gpus: tuple[int, ...],
+) -> tuple[list[Device], list[Device]]:
+    """Where the benchmark's ranks run (all on this host, each its own process): the GPUs on
+    CUDA, distinct slots on CPU."""
+    if device == "cuda":
+        return [Device(0, g) for g in train_gpus], [Device(0, g) for g in rollout_gpus]
+    t = train.world_size
+    return [Device(0, i) for i in range(t)], [Device(0, t + i) for i in range(rollout.world_size)]
 
 
 class _Block:
@@ -229,11 +243,7 @@ class BenchRank:
         return out
 
     def new_transport(self) -> Any:
-        from weightsync.transport import make_transport
-
-        if self.cfg.transport == "cuda_ipc":
-            return make_transport("cuda_ipc", device=self.device.index)
-        return make_transport(self.cfg.transport)
+        return self.cfg.transport.on_device(self.device.index).make()
 
     def params(self) -> dict[str, torch.Tensor]:
         assert self.store is not None
@@ -349,7 +359,6 @@ class BenchRank:
         Collective (every process calls it); engines get [].
         """
         from weightsync.sync.p2p_receiver import PARAMS_REGION
-        from weightsync.transport import PeerDescriptor
 
         mine = self.bytes_by_dest() if self.is_trainer else {}
         everyone = self.gather(mine)
@@ -370,8 +379,6 @@ class BenchRank:
     def _memcpy_body(self, batches: list[Any]) -> dict[str, Any]:
         if not self.is_trainer:
             return {}
-        from weightsync.transport import deadline_after
-
         transport = self.sender.transport
         t0 = time.perf_counter()
         deadline = deadline_after(self.cfg.timeout_s)

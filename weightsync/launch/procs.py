@@ -7,6 +7,7 @@ Everything started here is stopped in :meth:`LocalProcs.close`, also on errors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 from weightsync.launch.trainer_worker import Cmd, WorkerConfig, worker_main
 from weightsync.sync.engine_client import EngineClient, EngineError
+from weightsync.transport import TransportConfig, TransportKind
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +161,8 @@ class LocalProcs:
         for rank, conn in enumerate(self._conns):
             while not conn.poll(0.1):
                 if not self._workers[rank].is_alive():
-                    raise TrainerError(f"trainer rank {rank} died during {what} (exit code {self._workers[rank].exitcode})")
+                    code = self._workers[rank].exitcode
+                    raise TrainerError(f"trainer rank {rank} died during {what} (exit code {code})")
                 if time.monotonic() > end:
                     raise TrainerError(f"trainer rank {rank}: no answer to {what} within {timeout_s:.0f} s")
             status, payload = conn.recv()
@@ -189,10 +192,8 @@ class LocalProcs:
         """Stop the trainer ranks and the engines this run started, all at once (each takes a few
         seconds to leave its process groups and exit; in turn they took the sum)."""
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a rank that already exited
                 conn.send((Cmd.STOP, None))
-            except (OSError, ValueError):
-                pass
         for e in self.engines:
             e.request_stop()
         for p in self._workers:
@@ -206,12 +207,28 @@ class LocalProcs:
 
 
 def serve_argv(*, model: str, scale: str, tp: int, ep: int, dp: int, device: str, port: int, checkpoint: Path | None,
-               transport: str, host: str = "127.0.0.1", moe_dense_tp: int | None = None, dp_lm_head: bool = False,
-               extra: Sequence[str] = ()) -> list[str]:
+               transport: TransportConfig | None, host: str = "127.0.0.1", moe_dense_tp: int | None = None,
+               dp_lm_head: bool = False, extra: Sequence[str] = ()) -> list[str]:
     """The command line of one engine (``python -m weightsync.cli serve ...``)."""
     argv = [sys.executable, "-m", "weightsync.cli", "serve", model, "--scale", scale, "--tp", str(tp), "--ep", str(ep),
-            "--dp", str(dp), "--device", device, "--host", host, "--port", str(port), "--transport", transport]
+            "--dp", str(dp), "--device", device, "--host", host, "--port", str(port), *transport_argv(transport)]
     argv += ["--moe-dense-tp-size", str(moe_dense_tp)] if moe_dense_tp is not None else []
     argv += ["--enable-dp-lm-head"] if dp_lm_head else []
     argv += ["--checkpoint", str(checkpoint)] if checkpoint is not None else ["--load-format", "dummy"]
     return argv + list(extra)
+
+
+def transport_argv(transport: TransportConfig | None) -> list[str]:
+    """The engine options that carry ``transport`` (the engine rebuilds it from them,
+    :func:`weightsync.engine.bootstrap.transport_config`); None: ``--transport none``.
+
+    Only the kind and the Mooncake protocol and device travel: the engine binds its own GPUs
+    and publishes its own address, and its side of shm copies nothing.
+    """
+    if transport is None:
+        return ["--transport", "none"]
+    argv = ["--transport", transport.kind.value]
+    if transport.kind is TransportKind.MOONCAKE:
+        argv += ["--mooncake-protocol", transport.mooncake_protocol]
+        argv += ["--mooncake-device", transport.mooncake_device] if transport.mooncake_device else []
+    return argv

@@ -34,9 +34,11 @@ from weightsync.launch.validate import (
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
+from weightsync.models.parallel import Device
 from weightsync.plan.inputs import build_inputs
 from weightsync.sync.engine_client import EngineError
 from weightsync.sync.p2p_sender import dest_rank_from_info
+from weightsync.transport import TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +108,15 @@ class RunSession:
                 except EngineError as exc:
                     log.warning("engine %d: could not leave weight-update group %s: %s", eng.index, name, exc)
 
-    def _transport(self) -> str:
-        if self.cfg.transport != "auto":
-            return self.cfg.transport
-        return "cuda_ipc" if self.cfg.device == "cuda" else "shm"
+    def _transport(self) -> TransportConfig:
+        """``--transport`` resolved by the written policy over this run's placement: every trainer
+        and engine rank is a process of its own on this host."""
+        cfg = self.cfg
+        t, r = cfg.train.world_size, cfg.rollout.world_size
+        trainers, engines = [Device(0, i) for i in range(t)], [Device(0, t + i) for i in range(r)]
+        return TransportConfig.resolve(cfg.transport, [(a, b) for a in trainers for b in engines],
+                                       on_gpu=cfg.device == "cuda", mooncake_protocol=cfg.env.mooncake_protocol,
+                                       mooncake_device=cfg.env.mooncake_device)
 
     def start(self) -> None:
         cfg = self.cfg
@@ -119,7 +126,7 @@ class RunSession:
             serve_argv(model=cfg.model, scale=cfg.scale, tp=r.tp, ep=r.ep, dp=r.dp, device=cfg.device, port=p,
                        checkpoint=None if cfg.env.skip_validation else self.hf_dir, transport=self._transport(),
                        host=cfg.host, moe_dense_tp=r.moe_dense_tp, dp_lm_head=r.dp_lm_head,
-                       extra=[*self._mooncake_args(), *COMPUTE_DTYPE_ARGS])
+                       extra=COMPUTE_DTYPE_ARGS)
             for p in ports
         ]
         if cfg.engine_urls:
@@ -131,7 +138,6 @@ class RunSession:
         wcfg = WorkerConfig(model=cfg.model, scale=cfg.scale, train=cfg.train, rollout=cfg.rollout,
                             ckpt_dir=str(self.torch_dist_dir), master_addr=cfg.host, master_port=free_port(cfg.host),
                             device=cfg.device, bucket_bytes=cfg.bucket_bytes, transport=self._transport(),
-                            mooncake_protocol=cfg.env.mooncake_protocol, mooncake_device=cfg.env.mooncake_device,
                             seed=cfg.seed)
         if cfg.engine_urls:
             self.procs.attach_engines(cfg.engine_urls)
@@ -147,14 +153,6 @@ class RunSession:
         if "broadcast" in cfg.modes:
             self.setup_broadcast()
 
-    def _mooncake_args(self) -> list[str]:
-        """The engine's Mooncake settings (the launcher alone reads ``MOONCAKE_*``)."""
-        if self._transport() != "mooncake":
-            return []
-        env = self.cfg.env
-        return ["--mooncake-protocol", env.mooncake_protocol] + (
-            ["--mooncake-device", env.mooncake_device] if env.mooncake_device else [])
-
     def check_engines(self) -> None:
         """Refuse engines that serve another model or layout, before any byte is written: their
         ``/server_info`` (model, scale, parallel sizes and flags, transport) and, for p2p, the parameter
@@ -163,7 +161,7 @@ class RunSession:
         want = {"model": self.cfg.model, "scale": self.cfg.scale, "tp_size": r.tp, "ep_size": r.ep, "dp_size": r.dp,
                 "moe_dense_tp_size": r.moe_dense_tp, "enable_dp_lm_head": r.dp_lm_head}
         if "p2p" in self.cfg.modes:
-            want["transport"] = self._transport()
+            want["transport"] = self._transport().kind.value
         infos = self.procs.on_engines(lambda c: c.server_info())
         for i, info in enumerate(infos):
             problems = [f"{k}={info.get(k)!r} (this run needs {v!r})" for k, v in want.items() if info.get(k) != v]
@@ -382,7 +380,8 @@ class RunSession:
     def finish(self) -> dict[str, Any]:
         meta = {"model": self.cfg.model, "scale": self.cfg.scale, "mode": self.cfg.mode, "device": self.cfg.device,
                 "checkpoint": str(self.hf_dir),
-                "train": asdict(self.cfg.train), "rollout": asdict(self.cfg.rollout), "transport": self._transport(),
+                "train": asdict(self.cfg.train), "rollout": asdict(self.cfg.rollout),
+                "transport": self._transport().kind.value,
                 "bucket_bytes": self.cfg.bucket_bytes, "embedded_default": self.cfg.embedded_default,
                 "dest_bytes_per_receiver": self._dest_bytes(), "engine_weights": self._engine_weights}
         path = write_results(self.cfg.log_dir, meta, self.steps)

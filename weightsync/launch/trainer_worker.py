@@ -36,6 +36,7 @@ from weightsync.models import get_model
 from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.plan.inputs import PlanInputs, build_inputs
+from weightsync.transport import TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,8 @@ class WorkerConfig:
     master_port: int
     device: str
     bucket_bytes: int
-    transport: str
-    """Resolved p2p transport kind (``shm``, ``mooncake``, ``cuda_ipc``)."""
-    mooncake_protocol: str = "tcp"
-    mooncake_device: str = ""
+    transport: TransportConfig
+    """The run's resolved p2p transport (each rank binds its own GPU)."""
     seed: int = 1234
 
 
@@ -98,15 +97,6 @@ class Worker:
                                         engine_layout=engine_layout)
         return self._inputs
 
-    def _transport(self) -> Any:
-        from weightsync.transport import make_transport
-
-        if self.cfg.transport == "mooncake":
-            return make_transport("mooncake", protocol=self.cfg.mooncake_protocol, device=self.cfg.mooncake_device)
-        if self.cfg.transport == "cuda_ipc":
-            return make_transport("cuda_ipc", device=self.gpu)
-        return make_transport(self.cfg.transport)
-
     def setup_p2p(self, dests_json: dict[int, dict[str, Any]]) -> dict[str, Any]:
         from weightsync.plan.p2p import plan_p2p_for_rank
         from weightsync.sync.p2p_sender import P2PSender, dest_rank_from_info
@@ -117,7 +107,7 @@ class Worker:
         needed = {op.dst_rank for op in plan.ops}
         dests = {r: dest_rank_from_info(r, dests_json[r], self.inputs.dest_layout(r)) for r in sorted(needed)}
         blocks = {g.name: g.block for g in self.inputs.globals.values() if g.block is not None and g.quant_of is None}
-        self.sender = P2PSender(plan.ops, self.trainer.params, self._transport(), dests,
+        self.sender = P2PSender(plan.ops, self.trainer.params, self.cfg.transport.on_device(self.gpu).make(), dests,
                                 bucket_bytes=self.cfg.bucket_bytes, source_regions=self.trainer.regions(),
                                 fp8_blocks=blocks)
         return {"ops": len(plan.ops), "plan_s": plan_s, "bytes": self.sender.bytes_direct + self.sender.bytes_staged}
@@ -180,9 +170,9 @@ def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:
                 break
             try:
                 conn.send(("ok", _dispatch(worker, cmd, arg)))
-            except Exception:  # noqa: BLE001 -- shipped to the launcher with the traceback, which re-raises
+            except Exception:  # shipped to the launcher with the traceback, which re-raises
                 conn.send(("error", f"trainer rank {rank}: {cmd}: " + traceback.format_exc()))
-    except Exception:  # noqa: BLE001 -- start-up failure, reported the same way
+    except Exception:  # start-up failure, reported the same way
         conn.send(("error", f"trainer rank {rank}: start-up: " + traceback.format_exc()))
     finally:
         if worker is not None:

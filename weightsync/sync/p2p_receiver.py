@@ -4,12 +4,12 @@ With a transport (``shm`` on CPU, ``cuda_ipc`` on GPU, ``mooncake`` between host
 parameters are carved from that transport's arena and the whole block is registered once, as
 region ``"params"``, before anything is published; senders connect with the published
 descriptor and write straight into the parameters. The receiver does nothing per update (the
-transports are one-sided). Without a transport (``none``) the parameters are a plain allocation
+transports are one-sided). Without a transport (None) the parameters are a plain allocation
 and only the broadcast path (two-sided, :mod:`weightsync.sync.broadcast_receiver`) can update them.
 
 Typical usage::
 
-    receiver, store = Receiver.open("shm", layout, device=torch.device("cpu"), rank=0)
+    receiver, store = Receiver.open(TransportConfig(kind="shm"), layout, device=torch.device("cpu"), rank=0)
     receiver.descriptor()        # JSON-safe dict for /get_remote_instance_transfer_engine_info
     ...
     store.close(); receiver.close()
@@ -25,9 +25,11 @@ import torch
 
 from weightsync.layout.box import LocalTensor
 from weightsync.sync.params import ParamStore
+from weightsync.transport import HOST, TransportConfig
 
-RECEIVER_TRANSPORTS = ("none", "shm", "cuda_ipc", "mooncake")
-"""Transports an engine can receive through (dist is two-sided; local/mock are in-process only)."""
+RECEIVER_TRANSPORTS = ("shm", "cuda_ipc", "mooncake")
+"""Transports an engine can receive through (dist is two-sided; local is in-process only); an
+engine without a transport passes None."""
 
 PARAMS_REGION = "params"
 
@@ -46,54 +48,52 @@ class Receiver:
     @classmethod
     def open(
         cls,
-        kind: str,
+        transport: TransportConfig | None,
         layout: list[LocalTensor],
         *,
         device: torch.device,
         rank: int,
-        options: dict[str, Any] | None = None,
     ) -> tuple[Receiver, ParamStore]:
-        """Allocate the rank's parameters for transport ``kind`` and register them.
+        """Allocate the rank's parameters for ``transport`` and register them.
 
         Args:
-            kind: one of :data:`RECEIVER_TRANSPORTS`.
+            transport: the run's transport configuration (its kind one of
+                :data:`RECEIVER_TRANSPORTS`; ``cuda_ipc`` is bound to ``device`` unless bound
+                already), or None for no transport (broadcast only).
             layout: the rank's local tensors.
             device: where the parameters live.
             rank: engine rank (names the session when there is no transport).
-            options: the transport's constructor options (``cuda_ipc`` gets ``device`` by default;
-                ``mooncake``: ``protocol``, ``device``, ``hostname``).
 
         Returns:
             ``(receiver, store)``.
 
         Raises:
-            ValueError: an unknown or unsuitable kind.
+            ValueError: an unsuitable kind.
             RuntimeError: the transport is unavailable here (its message says why).
         """
+        if transport is None:
+            return cls("none", None, None, rank), ParamStore(layout, device)
+        kind = transport.kind.value
         if kind not in RECEIVER_TRANSPORTS:
             raise ValueError(f"an engine receives through one of {', '.join(RECEIVER_TRANSPORTS)}; got {kind!r}")
-        if kind == "none":
-            return cls(kind, None, None, rank), ParamStore(layout, device)
-        from weightsync.transport import HOST, make_transport
-
-        opts = dict(options or {})
         if kind == "cuda_ipc":
             if device.type != "cuda":
                 raise ValueError("the cuda_ipc transport needs a CUDA engine (--device cuda); use shm on CPU")
-            opts.setdefault("device", device.index)
+            if transport.cuda_device is None:
+                transport = transport.on_device(device.index)
         elif kind == "shm" and device.type != "cpu":
             raise ValueError("the shm transport serves host memory; use cuda_ipc for a CUDA engine")
-        transport = make_transport(kind, **opts)
+        opened = transport.make()
         try:
-            arena = transport.new_arena(ParamStore.required_bytes(layout), device=device)
+            arena = opened.new_arena(ParamStore.required_bytes(layout), device=device)
             store = ParamStore(layout, device, arena=arena)
-            transport.register(
+            opened.register(
                 PARAMS_REGION, arena.base, arena.nbytes, device=device.index if device.type == "cuda" else HOST
             )
         except BaseException:
-            transport.close()
+            opened.close()
             raise
-        return cls(kind, transport, arena, rank), store
+        return cls(kind, opened, arena, rank), store
 
     @property
     def session_id(self) -> str:

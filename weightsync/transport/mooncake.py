@@ -9,9 +9,9 @@ the GIL) issued on a worker thread, so :meth:`MooncakeTransport.write` returns a
 own pointers (Mooncake addresses remote memory by virtual address).
 
 Protocol (``tcp``, ``rdma``, ...) and device (an RDMA NIC name such as ``mlx5_0``, or empty) are
-constructor arguments; :meth:`MooncakeTransport.from_env` maps the launcher's environment
-(``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``) onto them. The Mooncake package is imported lazily:
-importing this module works without it (see :func:`mooncake_available`).
+constructor arguments (:class:`~weightsync.transport.config.TransportConfig` carries them; the
+launcher fills them from ``MOONCAKE_PROTOCOL`` and ``MOONCAKE_DEVICE``). The Mooncake package is
+imported lazily: importing this module works without it (see :func:`mooncake_available`).
 
 Measured on the 2-core CPU machine (tcp, 127.0.0.1): see scripts/bench_transport.py. Same-host
 CPU traffic belongs on shm; this is for other hosts.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -86,20 +85,6 @@ class MooncakeTransport(Transport):
             )
         self._port = int(self._engine.get_rpc_port())
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-mooncake")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str], **overrides: Any) -> MooncakeTransport:
-        """Build from ``MOONCAKE_PROTOCOL`` (default ``tcp``) and ``MOONCAKE_DEVICE`` (default empty).
-
-        Called by the launcher, the one place that reads the environment; ``overrides`` (e.g.
-        ``hostname=node_ip``) win over the environment.
-        """
-        cfg: dict[str, Any] = {
-            "protocol": environ.get("MOONCAKE_PROTOCOL") or DEFAULT_PROTOCOL,
-            "device": environ.get("MOONCAKE_DEVICE", ""),
-        }
-        cfg.update(overrides)
-        return cls(**cfg)
 
     @property
     def session_id(self) -> str:
