@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from tests.plan_fakes import fake_inputs
+from tests.plan_helpers import ops_to_table, write_runs
 from weightsync.plan.api import build_plan
-from weightsync.plan.ops import CopyOp, box_is_contiguous, box_runs, coalesce_ops, merge_boxes, write_runs
+from weightsync.plan.ops import CopyOp, box_is_contiguous, box_runs, coalesce_ops, merge_boxes
 from weightsync.plan.serialize import cached_plan, load_plan, plan_from_dict, plan_to_dict, save_plan
-from weightsync.plan.table import ops_to_table
 
 
 def _runs_by_enumeration(shape, box, itemsize):

@@ -13,13 +13,14 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from tests.plan_helpers import filter_ops
+from tests.plan_simulate import simulate
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.models.parallel import RolloutParallel, TrainParallel
-from weightsync.plan.api import build_plan, dest_bytes, filter_ops, plan_for_rank, verify_plan
+from weightsync.plan.api import build_plan, dest_bytes, plan_for_rank, verify_plan
 from weightsync.plan.inputs import build_inputs
-from weightsync.plan.simulate import simulate
 
 BASES = ["Qwen3-4B", "Qwen3-30B-A3B", "GLM-4.5-Air", "GLM-4.7-Flash", "GLM-5", "Kimi-K2"]
 

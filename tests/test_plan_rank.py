@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 
 from tests.plan_fakes import FAKE_ROLLOUT, FAKE_TRAIN, fake_inputs
+from tests.plan_helpers import filter_ops
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.models.parallel import Device
 from weightsync.models.parallel import RolloutParallel as R
 from weightsync.models.parallel import TrainParallel as T
-from weightsync.plan.api import build_plan, filter_ops, plan_for_rank
+from weightsync.plan.api import build_plan, plan_for_rank
 from weightsync.plan.inputs import build_inputs
 
 CONFIGS = {

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from tests.plan_simulate import apply_op, simulate
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
@@ -19,7 +20,6 @@ from weightsync.models.parallel import RolloutParallel as R
 from weightsync.models.parallel import TrainParallel as T
 from weightsync.plan.api import build_plan, verify_plan
 from weightsync.plan.inputs import build_inputs
-from weightsync.plan.simulate import apply_op, simulate
 
 GRID = {
     "train-tp4-above-rollout-tp2": (T(world_size=4, tp=4), R(tp=2, num_engines=2)),

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from tests.plan_fakes import fake_inputs
+from tests.plan_helpers import ops_to_table
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
@@ -19,7 +20,6 @@ from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.plan.api import build_plan, verify_plan
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Plan
-from weightsync.plan.table import ops_to_table
 from weightsync.plan.verify import PlanVerificationError
 
 

@@ -14,15 +14,14 @@ Typical usage::
 Modules: :mod:`~weightsync.plan.ops` (CopyOp, byte runs, coalescing), :mod:`~weightsync.plan.cuts`
 and :mod:`~weightsync.plan.cut_table` (cutting destination pieces along source pieces),
 :mod:`~weightsync.plan.p2p` and :mod:`~weightsync.plan.broadcast` (the two modes),
-:mod:`~weightsync.plan.verify`, :mod:`~weightsync.plan.cost`, :mod:`~weightsync.plan.serialize`,
-:mod:`~weightsync.plan.simulate` (imports torch; not imported here), :mod:`~weightsync.cli.plan`.
+:mod:`~weightsync.plan.verify`, :mod:`~weightsync.plan.cost`, :mod:`~weightsync.plan.serialize`;
+the command is :mod:`~weightsync.cli.plan`.
 """
 
 from weightsync.plan.api import (
     PlanSummary,
     build_plan,
     dest_bytes,
-    filter_ops,
     plan_for_rank,
     plan_source_layouts,
     summarize,
@@ -30,7 +29,7 @@ from weightsync.plan.api import (
 )
 from weightsync.plan.cost import CostEstimate, LinkBandwidth, estimate
 from weightsync.plan.inputs import PlanInputs, build_inputs
-from weightsync.plan.ops import TRANSFORMS, CopyOp, box_runs, coalesce_ops, write_runs
+from weightsync.plan.ops import TRANSFORMS, CopyOp, box_runs, coalesce_ops
 from weightsync.plan.records import Bucket, Plan
 from weightsync.plan.serialize import cached_plan, load_plan, save_plan
 from weightsync.plan.verify import PlanVerificationError, VerifyReport
@@ -53,12 +52,10 @@ __all__ = [
     "coalesce_ops",
     "dest_bytes",
     "estimate",
-    "filter_ops",
     "load_plan",
     "plan_for_rank",
     "plan_source_layouts",
     "save_plan",
     "summarize",
     "verify_plan",
-    "write_runs",
 ]

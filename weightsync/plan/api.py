@@ -18,7 +18,6 @@ from weightsync.layout.box import LocalTensor, box_volume
 from weightsync.models.hf import DTYPE_BYTES
 from weightsync.plan.broadcast import DEFAULT_BUCKET_BYTES, gathered_layouts, plan_broadcast
 from weightsync.plan.inputs import PlanInputs
-from weightsync.plan.ops import CopyOp
 from weightsync.plan.p2p import plan_p2p, plan_p2p_for_rank
 from weightsync.plan.records import Mode, Plan
 from weightsync.plan.table import OpTable
@@ -138,9 +137,3 @@ def summarize(plan: Plan, inputs: PlanInputs) -> PlanSummary:
         senders=sum(1 for b in plan.sender_bytes if b),
         gather_bytes=plan.gather_bytes,
     )
-
-
-def filter_ops(ops: Sequence[CopyOp], *, src_rank: int | None = None, dst_rank: int | None = None) -> list[CopyOp]:
-    """The ops of one rank, in plan order."""
-    return [op for op in ops if (src_rank is None or op.src_rank == src_rank)
-            and (dst_rank is None or op.dst_rank == dst_rank)]

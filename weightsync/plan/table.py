@@ -113,68 +113,6 @@ _ARRAY_FIELDS = ("gid", "src_rank", "src_pid", "dst_rank", "dst_pid", "transform
                  "g_nd", "s_lo", "s_hi", "s_nd", "d_lo", "d_hi", "d_nd")
 
 
-def ops_to_table(ops: Sequence[CopyOp], global_names: Sequence[str] = ()) -> OpTable:
-    """Build the columnar table of ``ops``.
-
-    Args:
-        ops: the ops.
-        global_names: optional initial global name table (e.g. the model's order), so that ids are
-            stable across plans of the same model.
-
-    Returns:
-        The table.
-    """
-    gmap = {n: i for i, n in enumerate(global_names)}
-    pmap: dict[str, int] = {}
-    tmap = {t: i for i, t in enumerate(TRANSFORMS)}
-    boxes: dict[Box, tuple[int, ...]] = {}
-    ints: list[tuple[int, ...]] = []
-    bx: list[tuple[int, ...]] = []
-    for op in ops:
-        g = gmap.get(op.global_name)
-        if g is None:
-            g = gmap[op.global_name] = len(gmap)
-        sp = pmap.get(op.src_param)
-        if sp is None:
-            sp = pmap[op.src_param] = len(pmap)
-        dp = pmap.get(op.dst_param)
-        if dp is None:
-            dp = pmap[op.dst_param] = len(pmap)
-        gb = boxes.get(op.global_box)
-        if gb is None:
-            gb = boxes[op.global_box] = pad_box(op.global_box)
-        sb = boxes.get(op.src_box)
-        if sb is None:
-            sb = boxes[op.src_box] = pad_box(op.src_box)
-        db = boxes.get(op.dst_box)
-        if db is None:
-            db = boxes[op.dst_box] = pad_box(op.dst_box)
-        ints.append((g, op.src_rank, sp, op.dst_rank, dp, tmap[op.transform], op.zero_copy,
-                     len(op.global_box), len(op.src_box), len(op.dst_box)))
-        bx.append(gb + sb + db)
-    n = len(ints)
-    ia = np.array(ints, dtype=np.int64).reshape(n, 10)
-    ba = np.array(bx, dtype=np.int32).reshape(n, 6 * MAX_DIMS)
-    D = MAX_DIMS
-    return OpTable(
-        global_names=tuple(gmap),
-        param_names=tuple(pmap),
-        gid=ia[:, 0].astype(np.int32),
-        src_rank=ia[:, 1].astype(np.int32),
-        src_pid=ia[:, 2].astype(np.int32),
-        dst_rank=ia[:, 3].astype(np.int32),
-        dst_pid=ia[:, 4].astype(np.int32),
-        transform=ia[:, 5].astype(np.int8),
-        zero_copy=ia[:, 6].astype(bool),
-        g_nd=ia[:, 7].astype(np.int8),
-        s_nd=ia[:, 8].astype(np.int8),
-        d_nd=ia[:, 9].astype(np.int8),
-        g_lo=ba[:, 0:D], g_hi=ba[:, D:2 * D],
-        s_lo=ba[:, 2 * D:3 * D], s_hi=ba[:, 3 * D:4 * D],
-        d_lo=ba[:, 4 * D:5 * D], d_hi=ba[:, 5 * D:6 * D],
-    )
-
-
 def table_from_arrays(global_names: Sequence[str], param_names: Sequence[str], arrays: dict[str, np.ndarray]
                       ) -> OpTable:
     """Inverse of :meth:`OpTable.arrays` (checks that every column is there)."""

@@ -75,7 +75,8 @@ def _fill(tensors: Sequence[LocalTensor], values: dict[str, torch.Tensor]) -> di
         buf = torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype])
         if not t.derived:
             for p in t.pieces:
-                buf[box_slices(p.local_box)] = values[p.global_name][box_slices(p.global_box)].reshape(box_shape(p.local_box))
+                value = values[p.global_name][box_slices(p.global_box)]
+                buf[box_slices(p.local_box)] = value.reshape(box_shape(p.local_box))
         out[t.name] = buf
     return out
 
