@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.transport_mock import MockTransport
 from weightsync.models.parallel import Device
 from weightsync.transport import (
     HOST,
@@ -162,7 +163,7 @@ def test_register_rejects_duplicates_overlap_and_wrong_memory() -> None:
 
 def test_connect_refuses_other_kinds_and_processes() -> None:
     buf = torch.zeros(64, dtype=torch.uint8)
-    with make_transport("local") as a, make_transport("mock") as b:
+    with make_transport("local") as a, MockTransport() as b:
         b.register_tensor("x", buf)
         with pytest.raises(ValueError, match="both sides must use the same transport kind"):
             a.connect(b.descriptor())
@@ -194,7 +195,7 @@ def test_choose_transport(src, dst, on_gpu, same_process, expected) -> None:
 def test_factory() -> None:
     with pytest.raises(ValueError, match="unknown transport 'rdma'"):
         make_transport("rdma")
-    assert {TransportKind.LOCAL, TransportKind.SHM, TransportKind.MOCK, TransportKind.DIST} <= set(
+    assert {TransportKind.LOCAL, TransportKind.SHM, TransportKind.DIST} <= set(
         available_transports()
     )
     for kind in TransportKind:

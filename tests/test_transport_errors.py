@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from tests.transport_mock import MockTransport
 from weightsync.transport import deadline_after, make_transport
 from weightsync.transport.mooncake import mooncake_available
 from weightsync.transport.shm import SHM_DIR, SharedArena, list_segments, remove_stale_segments
@@ -23,9 +24,13 @@ from weightsync.transport.shm import SHM_DIR, SharedArena, list_segments, remove
 MB = 1 << 20
 
 
+def _make(kind: str):
+    return MockTransport() if kind == "mock" else make_transport(kind)
+
+
 def _pair(kind: str, nbytes: int):
     """Receiver and sender transports of ``kind`` in this process, connected; dest zeroed."""
-    recv, send = make_transport(kind), make_transport(kind)
+    recv, send = _make(kind), _make(kind)
     arena = recv.new_arena(nbytes)
     dest = arena.empty((nbytes,), torch.uint8)
     dest.zero_()
@@ -82,8 +87,8 @@ def test_deadline_expiry_raises_timeout(kind: str) -> None:
 
 
 def test_mock_records_events_and_injects_faults() -> None:
-    recv = make_transport("mock")
-    send = make_transport("mock", delay_s=0.2, fail_on_write=1)
+    recv = MockTransport()
+    send = MockTransport(delay_s=0.2, fail_on_write=1)
     dest = torch.zeros(1024, dtype=torch.uint8)
     src = torch.arange(256, dtype=torch.uint8).repeat(4)
     recv.register_tensor("params", dest)

@@ -72,7 +72,7 @@ class Transport(abc.ABC):
     same_host_only: ClassVar[bool] = False
     """Peers must be on this machine (shm, cuda_ipc)."""
     same_process_only: ClassVar[bool] = False
-    """Peers must be in this process (local, mock)."""
+    """Peers must be in this process (local)."""
     supports_host_memory: ClassVar[bool] = True
     supports_device_memory: ClassVar[bool] = False
     dest_needs_arena: ClassVar[bool] = False

@@ -21,7 +21,6 @@ class TransportKind(StrEnum):
     CUDA_IPC = "cuda_ipc"
     MOONCAKE = "mooncake"
     DIST = "dist"
-    MOCK = "mock"
 
 
 # kind -> (module, class, availability probe)
@@ -31,7 +30,6 @@ _BACKENDS: dict[TransportKind, tuple[str, str, str | None]] = {
     TransportKind.CUDA_IPC: ("weightsync.transport.cuda_ipc", "CudaIpcTransport", "cuda_ipc_available"),
     TransportKind.MOONCAKE: ("weightsync.transport.mooncake", "MooncakeTransport", "mooncake_available"),
     TransportKind.DIST: ("weightsync.transport.dist", "DistTransport", "dist_available"),
-    TransportKind.MOCK: ("weightsync.transport.mock", "MockTransport", None),
 }
 
 

@@ -1,5 +1,7 @@
 """A byte-copying fake transport for orchestration tests: in-process, recorded, with injectable faults.
 
+Not a registered kind: tests construct :class:`MockTransport` directly.
+
 It copies bytes exactly like the local transport (so bit-exact checks hold), and records each
 call as an event tuple so that tests can assert order, e.g.
 ``[e[0] for e in t.events] == ["register", "connect", "write", "wait", "close"]``. Faults:
