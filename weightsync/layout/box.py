@@ -51,14 +51,6 @@ def box_contains(outer: Box, inner: Box) -> bool:
     return all(a0 <= b0 and b1 <= a1 for (a0, a1), (b0, b1) in zip(outer, inner, strict=True))
 
 
-def box_shift(box: Box, delta: tuple[int, ...]) -> Box:
-    return tuple((a + d, b + d) for (a, b), d in zip(box, delta, strict=True))
-
-
-def box_offset(box: Box) -> tuple[int, ...]:
-    return tuple(a for a, _ in box)
-
-
 @dataclass(frozen=True, slots=True)
 class Piece:
     """``local_box`` of a local tensor holds ``global_box`` of global tensor ``global_name``.
