@@ -36,6 +36,7 @@ from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.models.parallel import Device
 from weightsync.plan.inputs import build_inputs
+from weightsync.plan.records import Mode
 from weightsync.sync.engine_client import EngineError
 from weightsync.sync.p2p_sender import dest_rank_from_info
 from weightsync.transport import TransportConfig
@@ -148,9 +149,9 @@ class RunSession:
             self.procs.start_engines(argvs, [f"http://{cfg.host}:{p}" for p in ports], timeout_s=300)
             self.check_engines()
         self.procs.wait_trainers(timeout_s=300)
-        if "p2p" in cfg.modes:
+        if Mode.P2P in cfg.modes:
             self.setup_p2p()
-        if "broadcast" in cfg.modes:
+        if Mode.BROADCAST in cfg.modes:
             self.setup_broadcast()
 
     def check_engines(self) -> None:
@@ -160,7 +161,7 @@ class RunSession:
         r = self.cfg.rollout
         want = {"model": self.cfg.model, "scale": self.cfg.scale, "tp_size": r.tp, "ep_size": r.ep, "dp_size": r.dp,
                 "moe_dense_tp_size": r.moe_dense_tp, "enable_dp_lm_head": r.dp_lm_head}
-        if "p2p" in self.cfg.modes:
+        if Mode.P2P in self.cfg.modes:
             want["transport"] = self._transport().kind.value
         infos = self.procs.on_engines(lambda c: c.server_info())
         for i, info in enumerate(infos):
@@ -169,7 +170,7 @@ class RunSession:
                 raise RunError(f"engine {i} at {self.procs.engines[i].url} does not match this run: "
                                + ", ".join(problems))
         self._engine_weights = [str(info.get("model_path")) for info in infos]
-        if "p2p" in self.cfg.modes:
+        if Mode.P2P in self.cfg.modes:
             self._infos = self._transfer_infos()
 
     def _transfer_infos(self) -> dict[int, dict[str, Any]]:
@@ -257,7 +258,7 @@ class RunSession:
         on(lambda c: c.pause_generation())
         t1 = time.perf_counter()
         on(lambda c: c.begin_weight_update())
-        if mode == "p2p":
+        if mode is Mode.P2P:
             res = self.procs.command(Cmd.SEND_P2P)
             pack = max(x["pack_s"] for x in res)
             wire = max(x["wire_s"] for x in res)
