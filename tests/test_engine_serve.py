@@ -148,6 +148,7 @@ def test_serve_cli_options_are_pinned() -> None:
         "--port",
         "--checkpoint",
         "--load-format",
+        "--dtype",
         "--seed",
         "--transport",
         "--mooncake-protocol",

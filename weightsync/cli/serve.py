@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 
 from weightsync.engine.config import ServeConfig
 
@@ -30,14 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=30000)
-    src = parser.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", help="HF checkpoint directory (safetensors + config.json)")
-    src.add_argument(
+    parser.add_argument("--checkpoint", help="HF checkpoint directory (config.json + safetensors): the architecture "
+                        "and shapes come from its config.json, the run profile from MODEL")
+    parser.add_argument(
         "--load-format",
         choices=("auto", "dummy"),
         default=None,
-        help="dummy: seeded synthetic weights instead of a checkpoint",
+        help="dummy: seeded synthetic weights instead of the checkpoint's (of its shapes when --checkpoint is given)",
     )
+    parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                        help="dtype of the unquantized weights (default bfloat16; float32 keeps a float32 checkpoint)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
     parser.add_argument(
         "--transport",
@@ -77,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         port=args.port,
         checkpoint=args.checkpoint,
         load_format=load_format,
+        dtype=args.dtype,
         seed=args.seed,
         transport=args.transport,
         mooncake_protocol=args.mooncake_protocol,
@@ -101,6 +105,9 @@ def main(args: argparse.Namespace) -> int:
         return run_server(config_from_args(args), log_level=args.log_level)
     except KeyboardInterrupt:
         return 0
+    except ValueError as exc:  # configuration or checkpoint refused before anything started: one line, no traceback
+        print(f"weightsync serve: {exc}", file=sys.stderr)
+        return 2
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from weightsync.engine.layers import (
-    apply_rope_interleaved,
+    apply_rope,
     apply_rope_neox,
     causal_mask,
     layer_norm,
@@ -86,7 +86,7 @@ def gqa_attention(
     if spec.qk_norm:
         q = rms_norm(q, w(a + "q_norm.weight"), spec.rms_norm_eps)
         k = rms_norm(k, w(a + "k_norm.weight"), spec.rms_norm_eps)
-    cos, sin = rope_cos_sin(positions, int(d * spec.partial_rotary_factor), spec.rope_theta)
+    cos, sin = rope_cos_sin(positions, int(d * spec.partial_rotary_factor), spec.rope_theta, spec.rope_scaling)
     q, k = apply_rope_neox(q, cos, sin), apply_rope_neox(k, cos, sin)
     _write(cache["k"], positions, k)
     _write(cache["v"], positions, v)
@@ -98,6 +98,12 @@ def gqa_attention(
     )
     out = out.transpose(1, 2).reshape(bsz, s, num_heads * d)
     return _linear(out, w(a + "o_proj.weight"))
+
+
+def mla_softmax_scale(spec: ModelSpec) -> float:
+    """MLA's softmax scale: ``qk_head_dim^-0.5``, times YaRN's ``mscale(factor, mscale_all_dim)^2``."""
+    scale = spec.qk_head_dim**-0.5
+    return scale * spec.rope_scaling.softmax_mscale if spec.rope_scaling is not None else scale
 
 
 def mla_attention(
@@ -137,16 +143,16 @@ def mla_attention(
     q_nope, q_pe = q.view(bsz, s, num_heads, nope + rope).split([nope, rope], dim=-1)
     latent, k_pe = kv_a.split([c, rope], dim=-1)
     latent = rms_norm(latent, w(a + "kv_a_layernorm.weight"), spec.rms_norm_eps)
-    cos, sin = rope_cos_sin(positions, rope, spec.rope_theta)
-    q_pe = apply_rope_interleaved(q_pe, cos, sin)
-    k_pe = apply_rope_interleaved(k_pe[:, :, None, :], cos, sin)[:, :, 0, :]
+    cos, sin = rope_cos_sin(positions, rope, spec.rope_theta, spec.rope_scaling)
+    q_pe = apply_rope(q_pe, cos, sin, spec.rope_interleave)
+    k_pe = apply_rope(k_pe[:, :, None, :], cos, sin, spec.rope_interleave)[:, :, 0, :]
     _write(cache["latent"], positions, latent)
     _write(cache["k_pe"], positions, k_pe)
     t = int(positions.max()) + 1
     lat_all, pe_all = cache["latent"][:, :t], cache["k_pe"][:, :t]
     q_abs = torch.einsum("bshn,hnc->bshc", q_nope, w(a + "w_kc"))
     scores = torch.einsum("bshc,btc->bhst", q_abs, lat_all) + torch.einsum("bshr,btr->bhst", q_pe, pe_all)
-    scores = scores.float() * (nope + rope) ** -0.5
+    scores = scores.float() * mla_softmax_scale(spec)
     allowed = causal_mask(positions, t)
     if spec.has_indexer:
         allowed = allowed & dsa_select(spec, w, a + "indexer.", x, q_lat, positions, cache, allowed)
@@ -184,10 +190,11 @@ def dsa_select(
     """
     bsz, s, _ = x.shape
     n, dim, rope = spec.index_n_heads, spec.index_head_dim, spec.qk_rope_head_dim
-    cos, sin = rope_cos_sin(positions, rope, spec.rope_theta)
-    q = apply_rope_neox(_linear(q_lat, w(ix + "wq_b.weight")).view(bsz, s, n, dim), cos, sin)
+    cos, sin = rope_cos_sin(positions, rope, spec.rope_theta, spec.rope_scaling)
+    pairs = spec.indexer_rope_interleave
+    q = apply_rope(_linear(q_lat, w(ix + "wq_b.weight")).view(bsz, s, n, dim), cos, sin, pairs)
     k = layer_norm(_linear(x, w(ix + "wk.weight")), w(ix + "k_norm.weight"), w(ix + "k_norm.bias"), INDEXER_NORM_EPS)
-    k = apply_rope_neox(k[:, :, None, :], cos, sin)[:, :, 0, :]
+    k = apply_rope(k[:, :, None, :], cos, sin, pairs)[:, :, 0, :]
     _write(cache["index_k"], positions, k)
     t = allowed.shape[-1]
     head_w = _linear(x, w(ix + "weights_proj.weight")).float() * n**-0.5

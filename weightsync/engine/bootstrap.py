@@ -18,8 +18,8 @@ import torch.distributed as dist
 from weightsync.engine.engine import Engine
 from weightsync.engine.tp import EngineGroups
 from weightsync.layout.sglang import check_engine_parallel
-from weightsync.models import get_model
 from weightsync.models.parallel import RolloutParallel
+from weightsync.models.resolve import model_spec
 from weightsync.models.spec import ModelSpec
 from weightsync.transport import TransportConfig, TransportKind
 
@@ -34,10 +34,14 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
     """The model and parallel sizes of ``cfg``, refused early when sglang would refuse them.
 
+    The architecture and shapes come from the checkpoint's config.json when ``cfg.checkpoint`` is
+    set (:func:`weightsync.models.resolve.model_spec`), else from the registry at ``cfg.scale``.
+
     Raises:
-        ValueError: unknown model or scale, bad sizes, not enough CUDA devices.
+        ValueError: unknown model or scale, a checkpoint config of another family or with a field
+            the engine cannot honour, bad sizes, not enough CUDA devices.
     """
-    spec = get_model(cfg.model, cfg.scale)
+    spec = model_spec(cfg.model, cfg.scale, checkpoint=cfg.checkpoint, dtype=cfg.dtype)
     par = RolloutParallel(
         tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, moe_dense_tp=cfg.moe_dense_tp_size, dp_lm_head=cfg.enable_dp_lm_head
     )
@@ -98,7 +102,8 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
     )
     error: BaseException | None = None
     try:
-        stats = engine.load_checkpoint(cfg.checkpoint) if cfg.checkpoint else engine.load_dummy(cfg.seed)
+        stats = (engine.load_checkpoint(cfg.checkpoint) if cfg.load_format == "auto" and cfg.checkpoint
+                 else engine.load_dummy(cfg.seed))
         logger.info(
             "[rank%d] loaded %d tensors (%.1f MB) in %.2f s", rank, stats.num_tensors, stats.nbytes / 1e6, stats.seconds
         )

@@ -35,9 +35,14 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     checkpoint: str | None = None
-    """HF checkpoint directory; None with ``load_format="dummy"``."""
+    """HF checkpoint directory: the model's architecture and shapes come from its config.json (the
+    registry's shapes at ``scale`` when None, with ``load_format="dummy"``)."""
     load_format: str = "auto"
-    """``auto`` (the checkpoint) or ``dummy`` (the seeded synthetic weights of the model)."""
+    """``auto`` (the checkpoint's weights) or ``dummy`` (seeded synthetic weights, of the checkpoint's
+    shapes when one is given, as sglang's ``--load-format dummy --model-path``)."""
+    dtype: str = "bfloat16"
+    """Dtype of the weights the engine stores unquantized (``bfloat16``, ``float32``, ``float16``);
+    a float32 checkpoint stays float32 with ``float32``."""
     seed: int = 0
     """Seed of the dummy weights."""
     transport: str = "none"
@@ -66,8 +71,8 @@ class ServeConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.load_format == "dummy" and self.checkpoint is not None:
-            raise ValueError("give either --checkpoint or --load-format dummy, not both")
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype must be bfloat16, float32 or float16, got {self.dtype!r}")
         if self.load_format == "auto" and self.checkpoint is None:
             raise ValueError("no --checkpoint: pass one, or --load-format dummy for synthetic weights")
         if self.cpu_threads < 1:

@@ -8,6 +8,12 @@ float8_e4m3fn weight fed with a bf16 global weight is block-quantized on the way
 ``weight_scale_inv`` pieces are written from the same quantization; a float8 source is copied
 as is, and its scale tensor arrives as a global tensor of its own.
 
+Checkpoints (:class:`CheckpointReader`): a float8 weight (block fp8 with ``weight_scale_inv``, the
+block size from its ``quantization_config``) loads as stored when the engine's blocks are the
+checkpoint's; in any other case it is dequantized with its scales first (and re-quantized into
+the engine's blocks, e.g. a ``[128, 128]`` checkpoint for a ``[64, 64]`` profile). A bf16 or
+float32 weight for an fp8-serving engine is quantized on load.
+
 Derived tensors (MLA ``w_kc``/``w_vc``) are recomputed by :func:`run_post_load` after every
 load or update.
 """
@@ -15,102 +21,70 @@ load or update.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from weightsync.layout.box import box_slices
+from weightsync.layout.box import Box, box_slices
 from weightsync.models.checkpoint import HFCheckpoint, synthetic_hf_tensor
+from weightsync.models.checkpoint_check import CheckpointError, validate_checkpoint
 from weightsync.models.hf import GlobalTensor, global_tensors
 from weightsync.models.spec import ModelSpec
+from weightsync.quant.fp8 import dequantize_block_fp8
 from weightsync.quant.mla import derive_all, mla_layers
 from weightsync.sync.params import ParamStore, write_global
 
 logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
-_FLOAT_DTYPES = {"bfloat16", "float16", "float32", "float64", "float8_e4m3fn"}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_MAX_NAMES = 50
-"""At most this many names per category in a refusal message (the count is always given)."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model: unknown, missing or mis-shaped tensors."""
-
-
-
-def _names(kind: str, names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_NAMES])
-    more = f" ... ({len(names) - _MAX_NAMES} more)" if len(names) > _MAX_NAMES else ""
-    return f"{len(names)} {kind}: {shown}{more}"
-
-
-def validate_checkpoint(spec: ModelSpec, ckpt: HFCheckpoint) -> list[str]:
-    """Check that ``ckpt`` holds exactly the global tensors of ``spec``, with their shapes.
-
-    Tensors of layers at or beyond ``spec.num_layers`` (MTP / next-n layers, or the rest of a
-    model loaded at ``layers=N``) are ignored with a warning; any other extra name is refused.
-
-    Args:
-        spec: the model.
-        ckpt: the open checkpoint.
-
-    Returns:
-        The ignored names.
-
-    Raises:
-        CheckpointError: listing every unknown, missing, mis-shaped and non-float tensor.
-    """
-    table = global_tensors(spec)
-    present = set(ckpt.names())
-    ignored, unknown = [], []
-    for name in sorted(present - set(table)):
-        m = _LAYER.match(name)
-        (ignored if m and int(m.group(1)) >= spec.num_layers else unknown).append(name)
-    missing = [n for n in table if n not in present]
-    misshaped, mistyped = [], []
-    for name in table:
-        if name not in present:
-            continue
-        shape, dtype = ckpt.meta(name)
-        if shape != table[name].shape:
-            misshaped.append(f"{name} {list(shape)} (expected {list(table[name].shape)})")
-        if dtype not in _FLOAT_DTYPES:
-            mistyped.append(f"{name} {dtype}")
-    problems = [
-        _names(k, v)
-        for k, v in (
-            ("unknown tensors", unknown),
-            ("missing tensors", missing),
-            ("mis-shaped tensors", misshaped),
-            ("non-float tensors", mistyped),
-        )
-        if v
-    ]
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} does not match {spec.name} (scale {spec.scale}): " + "; ".join(problems)
-        )
-    if ignored:
-        logger.warning(
-            "checkpoint %s: ignoring %d tensors of layers >= %d (e.g. %s)",
-            ckpt.path,
-            len(ignored),
-            spec.num_layers,
-            ignored[0],
-        )
-    return ignored
-
-
-
-
 def _scale_comes_with_weight(gt: GlobalTensor, source_dtype: Callable[[str], str]) -> bool:
     """A scale tensor whose weight is not fp8 at the source is computed when that weight is quantized."""
     return gt.quant_of is not None and source_dtype(gt.quant_of) != "float8_e4m3fn"
+
+
+class CheckpointReader:
+    """The global tensors of a checkpoint as the engine loads them: ``reader(name)(box)``.
+
+    A float8 weight is read as stored (its scale then loads as a global tensor of its own) when
+    the engine stores it in fp8 blocks of the checkpoint's size; otherwise it is dequantized with
+    the checkpoint's scales (whole, once), and the engine quantizes it into its own blocks or
+    keeps it in ``spec.dtype``.
+    """
+
+    def __init__(self, ckpt: HFCheckpoint, spec: ModelSpec) -> None:
+        self.ckpt = ckpt
+        self.spec = spec
+        self.block = ckpt.fp8_block()
+        self.table = global_tensors(spec)
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def is_fp8(self, name: str) -> bool:
+        return self.ckpt.meta(name)[1] == "float8_e4m3fn"
+
+    def as_stored(self, name: str) -> bool:
+        """Whether fp8 weight ``name`` loads as stored (the engine's blocks are the checkpoint's)."""
+        return self.table[name].block is not None and self.table[name].block == self.block
+
+    def skip(self, name: str) -> bool:
+        """A scale tensor that is not loaded: its weight is quantized on load, or not stored in fp8."""
+        weight = self.table[name].quant_of
+        return weight is not None and not (self.is_fp8(weight) and self.as_stored(weight))
+
+    def __call__(self, name: str) -> Callable[[Box], torch.Tensor]:
+        if not self.is_fp8(name) or self.as_stored(name):
+            return lambda box: self.ckpt.get_slice(name, box)
+
+        def dequantized(box: Box) -> torch.Tensor:
+            if name not in self._cache:
+                assert self.block is not None, "validate_checkpoint refuses fp8 weights without a block size"
+                self._cache.clear()
+                self._cache[name] = dequantize_block_fp8(self.ckpt.get(name), self.ckpt.get(name + "_scale_inv"),
+                                                         self.block, dtype=getattr(torch, self.spec.dtype))
+            return self._cache[name][box_slices(box)]
+
+        return dequantized
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,14 +111,14 @@ def load_checkpoint(store: ParamStore, spec: ModelSpec, path: str) -> LoadStats:
         CheckpointError: the checkpoint does not match ``spec`` (nothing was written).
     """
     t0 = time.perf_counter()
-    table = global_tensors(spec)
     nbytes = 0
     with HFCheckpoint(path) as ckpt:
         validate_checkpoint(spec, ckpt)
+        reader = CheckpointReader(ckpt, spec)
         for name in store.global_names():
-            if _scale_comes_with_weight(table[name], lambda n: ckpt.meta(n)[1]):
-                continue
-            nbytes += write_global(store, spec, name, lambda box, n=name: ckpt.get_slice(n, box))
+            if reader.skip(name):
+                continue  # written with its weight, which write_global quantizes
+            nbytes += write_global(store, spec, name, reader(name))
     run_post_load(store, spec)
     return LoadStats(num_tensors=len(store.global_names()), nbytes=nbytes, seconds=time.perf_counter() - t0)
 
@@ -193,3 +167,7 @@ def run_post_load(store: ParamStore, spec: ModelSpec) -> float:
     if store.device.type == "cuda":
         torch.cuda.synchronize(store.device)
     return time.perf_counter() - t0
+
+
+__all__ = ["CheckpointError", "CheckpointReader", "LoadStats", "load_checkpoint", "load_dummy", "run_post_load",
+           "validate_checkpoint"]

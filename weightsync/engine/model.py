@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from weightsync.engine.attention import gqa_attention, mla_attention, new_layer_cache
-from weightsync.engine.layers import rms_norm, route_sigmoid, route_softmax, swiglu
+from weightsync.engine.layers import rms_norm, route, swiglu
 from weightsync.engine.tp import EngineGroups, Group
 from weightsync.layout.sglang import dense_mlp_split, vocab_shard
 from weightsync.models.spec import ModelSpec
@@ -153,11 +153,10 @@ class Model:
     def _route(self, m: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
         logits = F.linear(x.float(), self.store[m + "gate.weight"].float())
-        if spec.router_score_function == "softmax":
-            return route_softmax(logits, spec.num_experts_per_tok, spec.norm_topk_prob)
         bias = self.store.get(m + "gate.e_score_correction_bias") if spec.router_expert_bias else None
-        return route_sigmoid(
+        return route(
             logits,
+            score=spec.router_score_function,
             top_k=spec.num_experts_per_tok,
             bias=bias,
             n_group=spec.n_group,

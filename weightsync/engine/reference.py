@@ -7,8 +7,9 @@ Deliberately written the long way, sharing no code with the engine's forward: un
 prompt at a time, no KV cache, float32 math. fp8 models read the bf16 checkpoint weights
 (the synthetic checkpoints make them fp8-exact, see ``weightsync.models.checkpoint``).
 
-The conventions that are choices (rotary styles, DSA indexer details, no YaRN) are those the
-engine documents in ``weightsync/engine/layers.py`` and ``weightsync/engine/attention.py``.
+The conventions that are choices (rotary styles, DSA indexer details) are those the engine
+documents in ``weightsync/engine/layers.py`` and ``weightsync/engine/attention.py``; YaRN follows
+the YaRN formulas (correction range, ramp, magnitude factors) element by element in Python.
 """
 
 from __future__ import annotations
@@ -28,29 +29,63 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _inv_freq(dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+def _inv_freq(dim: int, spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of a ``dim``-dim rotary embedding and the cos/sin magnitude factor."""
+    theta, y = spec.rope_theta, spec.rope_scaling
+    freqs = [1.0 / float(torch.tensor(theta, dtype=torch.float32) ** (i / dim)) for i in range(0, dim, 2)]
+    if y is None:
+        return torch.tensor(freqs, dtype=torch.float32), 1.0
+
+    def dim_of(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
+        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(y.beta_fast), dim_of(y.beta_slow)
+    if y.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if hi == lo else hi
+    out = []
+    for j, f in enumerate(freqs):
+        ramp = min(max((j - lo) / (hi - lo), 0.0), 1.0)  # 0: extrapolate (keep f), 1: interpolate (f / factor)
+        out.append(f / y.factor * ramp + f * (1 - ramp))
+
+    def mscale(m: float) -> float:
+        return 1.0 if y.factor <= 1 else 0.1 * m * math.log(y.factor) + 1.0
+
+    if y.attention_factor is not None:
+        magnitude = y.attention_factor
+    elif y.mscale and y.mscale_all_dim:
+        magnitude = mscale(y.mscale) / mscale(y.mscale_all_dim)
+    else:
+        magnitude = mscale(1.0)
+    return torch.tensor(out, dtype=torch.float32), magnitude
 
 
-def _rope_halves(x: torch.Tensor, rot: int, theta: float) -> torch.Tensor:
+def _angles(t: int, dim: int, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    inv, magnitude = _inv_freq(dim, spec)
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]
+    return ang.cos()[:, None, :] * magnitude, ang.sin()[:, None, :] * magnitude
+
+
+def _rope_halves(x: torch.Tensor, rot: int, spec: ModelSpec) -> torch.Tensor:
     """x [T, heads, d]: neox rotation of the first ``rot`` dims."""
-    t = x.shape[0]
-    ang = torch.arange(t, dtype=torch.float32)[:, None] * _inv_freq(rot, theta)[None, :]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    cos, sin = _angles(x.shape[0], rot, spec)
     half = rot // 2
     a, b, rest = x[..., :half], x[..., half:rot], x[..., rot:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
 
 
-def _rope_pairs(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """x [T, heads, r]: rotation of pairs (2i, 2i+1)."""
-    t, _, r = x.shape
-    ang = torch.arange(t, dtype=torch.float32)[:, None] * _inv_freq(r, theta)[None, :]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
-    out[..., 1::2] = x[..., 1::2] * cos + x[..., 0::2] * sin
+def _rope_pairs(x: torch.Tensor, rot: int, spec: ModelSpec) -> torch.Tensor:
+    """x [T, heads, d]: rotation of pairs (2i, 2i+1) of the first ``rot`` dims."""
+    cos, sin = _angles(x.shape[0], rot, spec)
+    out = x.clone()
+    out[..., 0:rot:2] = x[..., 0:rot:2] * cos - x[..., 1:rot:2] * sin
+    out[..., 1:rot:2] = x[..., 1:rot:2] * cos + x[..., 0:rot:2] * sin
     return out
+
+
+def _rope(x: torch.Tensor, rot: int, spec: ModelSpec, pairs: bool) -> torch.Tensor:
+    return _rope_pairs(x, rot, spec) if pairs else _rope_halves(x, rot, spec)
 
 
 def _softmax_attention(scores: torch.Tensor, extra_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,7 +133,7 @@ class Reference:
             q = _rms(q, t[a + "q_norm.weight"], s.rms_norm_eps)
             k = _rms(k, t[a + "k_norm.weight"], s.rms_norm_eps)
         rot = int(d * s.partial_rotary_factor)
-        q, k = _rope_halves(q, rot, s.rope_theta), _rope_halves(k, rot, s.rope_theta)
+        q, k = _rope_halves(q, rot, s), _rope_halves(k, rot, s)
         group = n // kv
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         probs = _softmax_attention(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d))
@@ -122,15 +157,18 @@ class Reference:
             q_lat = h
             q = h @ t[a + "q_proj.weight"].T
         q = q.view(-1, n, nope + rope)
-        q_nope, q_pe = q[..., :nope], _rope_pairs(q[..., nope:], s.rope_theta)
+        q_nope, q_pe = q[..., :nope], _rope(q[..., nope:], rope, s, s.rope_interleave)
         kv_a = h @ t[a + "kv_a_proj_with_mqa.weight"].T
         compressed = _rms(kv_a[:, :c], t[a + "kv_a_layernorm.weight"], s.rms_norm_eps)
-        k_pe = _rope_pairs(kv_a[:, None, c:], s.rope_theta)
+        k_pe = _rope(kv_a[:, None, c:], rope, s, s.rope_interleave)
         kv = (compressed @ t[a + "kv_b_proj.weight"].T).view(-1, n, nope + vd)
         k_nope, v = kv[..., :nope], kv[..., nope:]
         k = torch.cat([k_nope, k_pe.expand(-1, n, -1)], dim=-1)
         qf = torch.cat([q_nope, q_pe], dim=-1)
         scores = torch.einsum("qhd,khd->hqk", qf, k) / math.sqrt(nope + rope)
+        if s.rope_scaling is not None and s.rope_scaling.mscale_all_dim:
+            y = s.rope_scaling
+            scores = scores * (0.1 * y.mscale_all_dim * math.log(y.factor) + 1.0 if y.factor > 1 else 1.0) ** 2
         select = self._dsa(a + "indexer.", h, q_lat) if s.has_indexer else None
         probs = _softmax_attention(scores, select)
         out = torch.einsum("hqk,khd->qhd", probs, v).reshape(h.shape[0], n * vd)
@@ -140,9 +178,10 @@ class Reference:
         """[T, T] bool: each query's index_topk best earlier keys."""
         s, t = self.spec, self.t
         n, dim = s.index_n_heads, s.index_head_dim
-        q = _rope_halves((q_lat @ t[ix + "wq_b.weight"].T).view(-1, n, dim), s.qk_rope_head_dim, s.rope_theta)
+        pairs, r = s.indexer_rope_interleave, s.qk_rope_head_dim
+        q = _rope((q_lat @ t[ix + "wq_b.weight"].T).view(-1, n, dim), r, s, pairs)
         k = F.layer_norm(h @ t[ix + "wk.weight"].T, (dim,), t[ix + "k_norm.weight"], t[ix + "k_norm.bias"], 1e-6)
-        k = _rope_halves(k[:, None, :], s.qk_rope_head_dim, s.rope_theta)[:, 0, :]
+        k = _rope(k[:, None, :], r, s, pairs)[:, 0, :]
         head_w = (h @ t[ix + "weights_proj.weight"].T) / math.sqrt(n)
         score = (torch.einsum("qhd,kd->qhk", q, k).relu() * head_w[..., None]).sum(1) / math.sqrt(dim)
         steps = score.shape[0]
@@ -159,25 +198,23 @@ class Reference:
         m = p + "mlp."
         logits = h @ t[m + "gate.weight"].T
         k = s.num_experts_per_tok
-        if s.router_score_function == "softmax":
-            probs = torch.softmax(logits, dim=-1)
-            weights, ids = probs.topk(k, dim=-1)
-            if s.norm_topk_prob:
-                weights = weights / weights.sum(-1, keepdim=True)
-        else:
-            scores = torch.sigmoid(logits)
-            choice = scores + t[m + "gate.e_score_correction_bias"] if s.router_expert_bias else scores.clone()
-            if s.n_group > 1:
-                per = s.num_experts // s.n_group
-                grouped = choice.view(-1, s.n_group, per)
-                best = grouped.topk(2, dim=-1).values.sum(-1).topk(s.topk_group, dim=-1).indices
-                keep = torch.zeros(choice.shape[0], s.n_group, dtype=torch.bool).scatter_(1, best, True)
-                choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, s.num_experts)
-            ids = choice.topk(k, dim=-1).indices
-            weights = scores.gather(1, ids)
-            if s.norm_topk_prob:
-                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            weights = weights * s.routed_scaling_factor
+        scores = torch.softmax(logits, dim=-1) if s.router_score_function == "softmax" else torch.sigmoid(logits)
+        biased = scores + t[m + "gate.e_score_correction_bias"] if s.router_expert_bias else scores.clone()
+        if s.n_group > 1:
+            per = s.num_experts // s.n_group
+            grouped = biased.view(-1, s.n_group, per)
+            if s.router_expert_bias:
+                group_score = grouped.topk(2, dim=-1).values.sum(-1)
+            else:
+                group_score = grouped.max(dim=-1).values
+            best = group_score.topk(s.topk_group, dim=-1).indices
+            keep = torch.zeros(biased.shape[0], s.n_group, dtype=torch.bool).scatter_(1, best, True)
+            biased = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, s.num_experts)
+        ids = biased.topk(k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if s.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if s.router_score_function == "sigmoid" else 0))
+        weights = weights * s.routed_scaling_factor
         out = torch.zeros_like(h)
         for tok in range(h.shape[0]):
             for slot in range(k):

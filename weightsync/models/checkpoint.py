@@ -53,7 +53,9 @@ _ST_DTYPES = {
 
 
 def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
-    """The ``config.json`` of ``spec``, with the keys its family's HF/sglang model class reads.
+    """The ``config.json`` of ``spec``, in transformers 4.x spelling, with every key its family's
+    HF/sglang model class reads (:func:`weightsync.models.config.spec_from_hf_config` reads it
+    back into ``spec``).
 
     Args:
         spec: the model.
@@ -72,6 +74,7 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
         "num_key_value_heads": spec.num_kv_heads,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
+        "rope_scaling": _rope_scaling_dict(spec),
         "max_position_embeddings": spec.max_position_embeddings,
         "tie_word_embeddings": spec.tie_word_embeddings,
         "hidden_act": "silu",
@@ -80,9 +83,8 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
     }
     if not spec.is_mla:
         cfg["head_dim"] = spec.head_dim
-    if spec.partial_rotary_factor != 1.0:
-        cfg["partial_rotary_factor"] = spec.partial_rotary_factor
     if spec.family is Family.GLM4_MOE:
+        cfg["partial_rotary_factor"] = spec.partial_rotary_factor
         cfg["use_qk_norm"] = spec.qk_norm
     if spec.is_moe:
         cfg.update(_moe_config(spec))
@@ -94,8 +96,11 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
             qk_rope_head_dim=spec.qk_rope_head_dim,
             v_head_dim=spec.v_head_dim,
         )
+        if not spec.has_indexer:
+            cfg["rope_interleave"] = spec.rope_interleave
     if spec.has_indexer:
-        cfg.update(index_n_heads=spec.index_n_heads, index_head_dim=spec.index_head_dim, index_topk=spec.index_topk)
+        cfg.update(index_n_heads=spec.index_n_heads, index_head_dim=spec.index_head_dim, index_topk=spec.index_topk,
+                   indexer_rope_interleave=spec.indexer_rope_interleave)
     if spec.fp8_block is not None:
         cfg["quantization_config"] = {
             "quant_method": "fp8",
@@ -106,6 +111,21 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
     return cfg
 
 
+def _rope_scaling_dict(spec: ModelSpec) -> dict[str, Any] | None:
+    r = spec.rope_scaling
+    if r is None:
+        return None
+    out: dict[str, Any] = {"type": "yarn", "factor": r.factor,
+                           "original_max_position_embeddings": r.original_max_position_embeddings,
+                           "beta_fast": r.beta_fast, "beta_slow": r.beta_slow}
+    for key in ("mscale", "mscale_all_dim", "attention_factor"):
+        if getattr(r, key) is not None:
+            out[key] = getattr(r, key)
+    if not r.truncate:
+        out["truncate"] = False
+    return out
+
+
 def _moe_config(spec: ModelSpec) -> dict[str, Any]:
     """MoE keys: Qwen3-MoE names them ``num_experts``; GLM/DeepSeek ``n_routed_experts``."""
     common = {
@@ -113,25 +133,30 @@ def _moe_config(spec: ModelSpec) -> dict[str, Any]:
         "moe_intermediate_size": spec.moe_intermediate_size,
         "norm_topk_prob": spec.norm_topk_prob,
     }
+    types = [("sparse" if spec.is_moe_layer(i) else "dense") for i in range(spec.num_layers)]
     if spec.family is Family.QWEN3_MOE:
         return {
             **common,
             "num_experts": spec.num_experts,
-            "decoder_sparse_step": spec.moe_layer_freq,
-            "mlp_only_layers": [],
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, t in enumerate(types) if t == "dense"],
         }
-    return {
+    out = {
         **common,
         "n_routed_experts": spec.num_experts,
         "n_shared_experts": spec.num_shared_experts,
-        "first_k_dense_replace": spec.first_k_dense_replace,
-        "moe_layer_freq": spec.moe_layer_freq,
         "routed_scaling_factor": spec.routed_scaling_factor,
         "n_group": spec.n_group,
         "topk_group": spec.topk_group,
         "scoring_func": spec.router_score_function,
-        "topk_method": "noaux_tc" if spec.router_expert_bias else "greedy",
+        "topk_method": "noaux_tc" if spec.router_expert_bias else "group_limited_greedy" if spec.n_group > 1
+        else "greedy",
     }
+    if spec.mlp_layer_types is None:
+        out.update(first_k_dense_replace=spec.first_k_dense_replace, moe_layer_freq=spec.moe_layer_freq)
+    else:
+        out["mlp_layer_types"] = types
+    return out
 
 
 # --------------------------------------------------------------------------- synthetic weights
@@ -348,6 +373,17 @@ class HFCheckpoint:
         """The parsed ``config.json`` ({} when absent)."""
         p = self.path / CONFIG_FILE
         return json.loads(p.read_text()) if p.is_file() else {}
+
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The block its float8 weights are quantized in (``quantization_config.weight_block_size``;
+        None when the config declares no fp8 quantization).
+
+        Raises:
+            ValueError: a quantization the readers cannot dequantize.
+        """
+        from weightsync.models.config import checkpoint_fp8_block
+
+        return checkpoint_fp8_block(self.config().get("quantization_config"), str(self.path / CONFIG_FILE))
 
     def names(self) -> list[str]:
         return list(self._where)

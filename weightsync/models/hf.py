@@ -54,7 +54,7 @@ def is_fp8_linear(spec: ModelSpec, name: str) -> bool:
         return False
     if ".indexer." in name:
         return False
-    return name.endswith("_proj.weight") or name.endswith("proj_with_mqa.weight")
+    return name.endswith(("_proj.weight", "proj_with_mqa.weight"))
 
 
 def attention_tensors(spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:

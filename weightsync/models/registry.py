@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from weightsync.models.spec import Family, ModelSpec
+from weightsync.models.spec import Family, ModelSpec, RopeScaling
 
 MILES = "radixark/miles@31f1ca9 scripts/models/"
 """Prefix of the Megatron argument files the numbers are checked against."""
@@ -215,6 +215,8 @@ def _kimi_k2() -> ModelSpec:
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,
         v_head_dim=128,
+        rope_scaling=RopeScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
+                                 mscale=1.0, mscale_all_dim=1.0),
         fp8_block=(64, 64),
         sources={
             "vocab_size": src + " --vocab-size 163840",
@@ -225,6 +227,11 @@ def _kimi_k2() -> ModelSpec:
             "intermediate_size": src + " --ffn-hidden-size 18432",
             "rms_norm_eps": src + " --norm-epsilon 1e-6",
             "rope_theta": src + " --rotary-base 50000 (yarn, --rotary-scaling-factor 32.0)",
+            "rope_scaling": (
+                src + " --rope-type yarn --rotary-scaling-factor 32.0 --original-max-position-embeddings 4096 "
+                "--beta-fast 1 --beta-slow 1 --mscale 1.0 --mscale-all-dim 1.0"
+            ),
+            "rope_interleave": cfg + " (DeepseekV3 default: rope rows interleaved in pairs)",
             "tie_word_embeddings": src + " --untie-embeddings-and-output-weights",
             "max_position_embeddings": (
                 "131072 = 4096 x yarn factor 32 (" + src + " --original-max-position-embeddings 4096 "
@@ -352,6 +359,8 @@ def _glm5(name: str = "GLM-5", num_layers: int = 78, checkpoint: str = "zai-org/
         "index_n_heads": cfg + " index_n_heads 32",
         "index_head_dim": cfg + " index_head_dim 128",
         "index_topk": cfg + " index_topk 2048",
+        "indexer_rope_interleave": "zai-org/GLM-5 config.json indexer_rope_interleave true (transformers' "
+                                   "GlmMoeDsaIndexer rotates pairs)",
         "checkpoint": checkpoint + " (miles run.py PREPARE_CONFIGS)",
     }
     if name != "GLM-5":
@@ -392,6 +401,7 @@ def _glm5(name: str = "GLM-5", num_layers: int = 78, checkpoint: str = "zai-org/
         index_n_heads=32,
         index_head_dim=128,
         index_topk=2048,
+        indexer_rope_interleave=True,
         sources=sources,
     )
 
@@ -502,7 +512,8 @@ def _truncate(spec: ModelSpec, n: int) -> ModelSpec:
                 f"{spec.name}: layers={n} cannot keep both a dense and an MoE layer; use layers=2 or more"
             )
         dense_first = min(dense_first, n - 1)
-    return spec.replace(num_layers=n, first_k_dense_replace=dense_first, scale=f"layers={n}")
+    types = spec.mlp_layer_types[:n] if spec.mlp_layer_types is not None else None
+    return spec.replace(num_layers=n, first_k_dense_replace=dense_first, mlp_layer_types=types, scale=f"layers={n}")
 
 
 TINY_SOURCE = "tiny scale: small synthetic dims with the family's structure (weightsync.models.registry)"
@@ -510,15 +521,15 @@ TINY_SOURCE = "tiny scale: small synthetic dims with the family's structure (wei
 
 def _tiny(spec: ModelSpec) -> ModelSpec:
     """Small dims, same family, same flags (see module docstring)."""
-    c: dict[str, object] = dict(
-        vocab_size=300,  # not a multiple of 64 or 128: both sides' padding paths run
-        hidden_size=64,
-        num_layers=4,
-        intermediate_size=128,
-        max_position_embeddings=1024,
-        scale="tiny",
-        sources={"*": TINY_SOURCE},
-    )
+    c: dict[str, object] = {
+        "vocab_size": 300,  # not a multiple of 64 or 128: both sides' padding paths run
+        "hidden_size": 64,
+        "num_layers": 4,
+        "intermediate_size": 128,
+        "max_position_embeddings": 1024,
+        "scale": "tiny",
+        "sources": {"*": TINY_SOURCE},
+    }
     if spec.is_mla:
         c.update(num_attention_heads=4, num_kv_heads=4, head_dim=0, kv_lora_rank=32, qk_nope_head_dim=16,
                  qk_rope_head_dim=8, v_head_dim=16 if spec.v_head_dim == spec.qk_nope_head_dim else 32)

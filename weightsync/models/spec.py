@@ -14,7 +14,62 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScaling:
+    """YaRN rope scaling (config.json ``rope_type``/``type`` ``"yarn"``), as transformers'
+    ``_compute_yarn_parameters`` and sglang's YaRN rotary embeddings read it.
+
+    The rotary inverse frequencies blend interpolation (``1 / (factor * theta^(2i/d))``) and
+    extrapolation (``1 / theta^(2i/d)``) with a linear ramp between the correction dims of
+    ``beta_fast`` and ``beta_slow``; cos and sin are multiplied by :attr:`cos_sin_factor`; MLA
+    models multiply their softmax scale by ``yarn_mscale(factor, mscale_all_dim) ** 2``.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    """An explicit cos/sin factor (None: derived from ``factor``, ``mscale``, ``mscale_all_dim``)."""
+    truncate: bool = True
+    """Round the correction range to whole dims (transformers' default)."""
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError("rope scaling original_max_position_embeddings must be positive, got "
+                             f"{self.original_max_position_embeddings}")
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """The factor cos and sin are multiplied by (transformers' ``attention_factor``)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """MLA's softmax-scale multiplier ``yarn_mscale(factor, mscale_all_dim) ** 2`` (1 without
+        ``mscale_all_dim``), as DeepSeek-V3's attention applies it."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
 
 
 class Family(enum.StrEnum):
@@ -51,6 +106,13 @@ class ModelSpec:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 1.0
+    rope_scaling: RopeScaling | None = None
+    """YaRN scaling of the rotary embedding (None: plain rope)."""
+    rope_interleave: bool = True
+    """MLA only: the rope dims of q and k are rotated in pairs ``(2i, 2i+1)`` (DeepSeek's
+    checkpoint layout, config.json ``rope_interleave``); False rotates halves (neox style)."""
+    indexer_rope_interleave: bool = False
+    """DSA indexer only: pairs (GLM-5, ``indexer_rope_interleave``) or halves (DeepSeek-V3.2)."""
     qk_norm: bool = False
     """Per-head RMSNorm on q and k (Qwen3)."""
     attention_bias: bool = False
@@ -68,6 +130,10 @@ class ModelSpec:
     first_k_dense_replace: int = 0
     """The first this-many layers use a dense MLP instead of MoE."""
     moe_layer_freq: int = 1
+    mlp_layer_types: tuple[str, ...] | None = None
+    """``"dense"`` / ``"sparse"`` per layer when the layer pattern is not ``first_k_dense_replace``
+    dense layers then MoE (Qwen3-MoE ``mlp_only_layers`` / ``decoder_sparse_step``, transformers'
+    ``mlp_layer_types``); None: the pattern of ``first_k_dense_replace`` and ``moe_layer_freq``."""
     router_score_function: str = "softmax"
     """``"softmax"`` or ``"sigmoid"``."""
     router_expert_bias: bool = False
@@ -116,6 +182,15 @@ class ModelSpec:
             raise ValueError(f"{self.name}: an MoE model needs num_experts_per_tok and moe_intermediate_size")
         if self.router_score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"{self.name}: router_score_function must be softmax or sigmoid")
+        if self.num_experts and self.num_experts % self.n_group:
+            raise ValueError(f"{self.name}: num_experts={self.num_experts} is not a multiple of n_group={self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"{self.name}: topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
+        if self.mlp_layer_types is not None and (
+            len(self.mlp_layer_types) != self.num_layers or set(self.mlp_layer_types) - {"dense", "sparse"}
+        ):
+            raise ValueError(f"{self.name}: mlp_layer_types must name 'dense' or 'sparse' for each of the "
+                             f"{self.num_layers} layers, got {self.mlp_layer_types}")
 
     @property
     def is_mla(self) -> bool:
@@ -136,7 +211,11 @@ class ModelSpec:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` has a routed-expert MLP."""
-        if not self.is_moe or layer < self.first_k_dense_replace:
+        if not self.is_moe:
+            return False
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer] == "sparse"
+        if layer < self.first_k_dense_replace:
             return False
         return (layer - self.first_k_dense_replace) % self.moe_layer_freq == 0
 

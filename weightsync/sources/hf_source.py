@@ -1,73 +1,32 @@
 """HF checkpoints as the trainer's source: check one against a model, read its tensors in the
 trainer's dtype, write a synthetic one.
 
-:func:`check_hf_checkpoint` refuses a checkpoint that is not the model: ``config.json`` numbers
-that shape the tensors (hidden size, heads, experts, MLA ranks, ...) must equal the spec's, and
-every tensor the trainer holds must be present with its global shape. A model loaded at
-``layers=N`` from a full checkpoint reads the first N layers (the config may say more layers,
-and the extra layers' tensors are ignored).
+The model's spec comes from the checkpoint's own ``config.json``
+(:func:`weightsync.models.resolve.model_spec`); :func:`check_hf_checkpoint` then refuses a
+checkpoint whose tensors are not that model's: every tensor the trainer holds must be present
+with its global shape, nothing unknown, and every float8 weight needs its ``weight_scale_inv``.
+A model loaded at ``layers=N`` reads the first N layers (the other layers' tensors are ignored).
 
-fp8 checkpoints (DeepSeek-V3 style): a float8_e4m3fn weight with its ``weight_scale_inv`` is
-dequantized to the trainer's dtype on read.
+fp8 checkpoints (DeepSeek-V3 style): a float8_e4m3fn weight is dequantized with its
+``weight_scale_inv`` in the checkpoint's own ``weight_block_size`` to the trainer's dtype on read.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from weightsync.layout.box import Box
 from weightsync.models.checkpoint import HFCheckpoint, hf_config_dict, synthetic_hf_tensor, write_hf_checkpoint
+from weightsync.models.checkpoint_check import validate_checkpoint
 from weightsync.models.hf import global_tensors
 from weightsync.models.spec import ModelSpec
 from weightsync.sources.torch_dist import ReadGlobal, torch_dtype
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_SHAPE_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "tie_word_embeddings", "attention_bias", "use_qk_norm", "num_experts", "n_routed_experts",
-    "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "first_k_dense_replace", "q_lora_rank",
-    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
-)
-"""config.json keys that decide which tensors exist and their shapes."""
-_MAX_LISTED = 20
 SHARD_BYTES = 2 << 30
 """Largest safetensors shard of a synthetic checkpoint."""
-
-
-def _listed(kind: str, items: list[str]) -> str:
-    more = f" ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
-    return f"{len(items)} {kind}: {', '.join(items[:_MAX_LISTED])}{more}"
-
-
-def config_mismatches(spec: ModelSpec, config: dict[str, Any]) -> list[str]:
-    """The shape-deciding ``config.json`` entries that differ from ``spec`` (keys absent from
-    ``config`` are not checked: the tensor check covers them).
-
-    Args:
-        spec: the model at its scale.
-        config: the checkpoint's parsed config.json.
-
-    Returns:
-        One ``"key: checkpoint X, model Y"`` line per difference.
-    """
-    want = hf_config_dict(spec)
-    out = []
-    arch = config.get("architectures")
-    if arch and arch[0] != spec.hf_architecture:
-        out.append(f"architectures: checkpoint {arch[0]!r}, model {spec.hf_architecture!r}")
-    layers = config.get("num_hidden_layers")
-    if layers is not None and (layers < spec.num_layers if spec.scale.startswith("layers=") else
-                               layers != spec.num_layers):
-        out.append(f"num_hidden_layers: checkpoint {layers}, model {spec.num_layers} (scale {spec.scale})")
-    for key in _SHAPE_KEYS:
-        if key in config and key in want and config[key] != want[key]:
-            out.append(f"{key}: checkpoint {config[key]!r}, model {want[key]!r}")
-    return out
 
 
 def check_hf_checkpoint(path: str | Path, spec: ModelSpec) -> None:
@@ -78,45 +37,24 @@ def check_hf_checkpoint(path: str | Path, spec: ModelSpec) -> None:
         spec: the model at its scale.
 
     Raises:
-        ValueError: naming every config mismatch, missing tensor, mis-shaped tensor and
-            unexpected tensor (the message starts with the directory and the model).
+        ValueError: naming every missing, mis-shaped and unexpected tensor and every fp8 weight
+            without a usable scale (the message starts with the directory and the model).
     """
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"HF checkpoint {p} is not a directory")
     with HFCheckpoint(p) as ckpt:
-        problems = []
-        cfg = ckpt.config()
-        if not cfg:
-            problems.append("no config.json")
-        mismatched = config_mismatches(spec, cfg)
-        if mismatched:
-            problems.append(_listed("config mismatches", mismatched))
-        table = global_tensors(spec)
-        present = set(ckpt.names())
-        needed = [n for n, g in table.items() if g.quant_of is None]
-        missing = [n for n in needed if n not in present]
-        misshaped = [f"{n} {list(ckpt.meta(n)[0])} (expected {list(table[n].shape)})"
-                     for n in needed if n in present and ckpt.meta(n)[0] != table[n].shape]
-        unscaled = [n for n in needed if n in present and ckpt.meta(n)[1] == "float8_e4m3fn"
-                    and n + "_scale_inv" not in present]
-        unexpected = [n for n in sorted(present - set(table))
-                      if not ((m := _LAYER.match(n)) and int(m.group(1)) >= spec.num_layers)]
-        for kind, items in (("missing tensors", missing), ("mis-shaped tensors", misshaped),
-                            ("fp8 weights without weight_scale_inv", unscaled), ("unexpected tensors", unexpected)):
-            if items:
-                problems.append(_listed(kind, items))
-    if problems:
-        raise ValueError(f"HF checkpoint {p} does not match {spec.name} (scale {spec.scale}): " + "; ".join(problems))
+        validate_checkpoint(spec, ckpt)
 
 
 def global_reader(ckpt: HFCheckpoint, spec: ModelSpec) -> ReadGlobal:
     """``read(name, box)`` over an open checkpoint, in the trainer's dtype (fp8 dequantized).
 
-    Slices are read lazily; an fp8 weight is dequantized whole once and kept until another
-    fp8 weight is read.
+    Slices are read lazily; an fp8 weight is dequantized whole (with the checkpoint's
+    ``weight_block_size``) once and kept until another fp8 weight is read.
     """
     table = global_tensors(spec)
+    block = ckpt.fp8_block()
     cache: dict[str, torch.Tensor] = {}
 
     def read(name: str, box: Box) -> torch.Tensor:
@@ -126,13 +64,26 @@ def global_reader(ckpt: HFCheckpoint, spec: ModelSpec) -> ReadGlobal:
         if name not in cache:
             from weightsync.quant.fp8 import dequantize_block_fp8
 
-            q, scale = ckpt.get(name), ckpt.get(name + "_scale_inv")
-            block = spec.fp8_block or (-(-q.shape[0] // scale.shape[0]), -(-q.shape[1] // scale.shape[1]))
+            if block is None:
+                raise ValueError(f"{ckpt.path}: {name} is float8 but config.json has no "
+                                 "quantization_config.weight_block_size")
             cache.clear()
-            cache[name] = dequantize_block_fp8(q, scale, block, dtype)
+            cache[name] = dequantize_block_fp8(ckpt.get(name), ckpt.get(name + "_scale_inv"), block, dtype)
         return cache[name][tuple(slice(a, b) for a, b in box)]
 
     return read
+
+
+def read_global_tensors(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Every trainer tensor of the checkpoint at ``path``, whole, in the trainer's dtype (fp8
+    weights dequantized with the checkpoint's scales); no ``weight_scale_inv`` tensors.
+
+    Small models only (all in memory): the run's reference copy of the trainer's weights.
+    """
+    with HFCheckpoint(path) as ckpt:
+        read = global_reader(ckpt, spec)
+        return {name: read(name, tuple((0, d) for d in g.shape))
+                for name, g in global_tensors(spec).items() if g.quant_of is None}
 
 
 def synthetic_bytes(spec: ModelSpec) -> int:

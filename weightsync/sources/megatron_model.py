@@ -152,6 +152,7 @@ def transformer_config(spec: ModelSpec, par: TrainParallel, *, dtype: torch.dtyp
         "apply_rope_fusion": False, "gradient_accumulation_fusion": False, "persist_layer_norm": False,
         "attention_softmax_in_fp32": True,
     }
+    _check_megatron_can_build(spec)
     if spec.is_moe:
         kw.update(
             num_moe_experts=spec.num_experts, moe_router_topk=spec.num_experts_per_tok,
@@ -168,12 +169,47 @@ def transformer_config(spec: ModelSpec, par: TrainParallel, *, dtype: torch.dtyp
         )
         if spec.n_group > 1:
             kw.update(moe_router_num_groups=spec.n_group, moe_router_group_topk=spec.topk_group)
+    y = spec.rope_scaling
+    yarn = {} if y is None else {
+        "rotary_scaling_factor": y.factor, "original_max_position_embeddings": y.original_max_position_embeddings,
+        "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale or 1.0,
+        "mscale_all_dim": y.mscale_all_dim or 0.0}
     if not spec.is_mla:
-        return TransformerConfig(num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, **kw)
+        config = TransformerConfig(num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, **kw)
+        for key, value in yarn.items():  # GPTModel's yarn embedding reads Megatron-LM's --yarn-* values
+            setattr(config, "yarn_" + key, value)
+        if yarn:
+            config.yarn_correction_range_round_to_int = True
+        return config
     return MLATransformerConfig(
         q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope_head_dim,
-        qk_pos_emb_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rope_type="rope",
-        rotary_base=spec.rope_theta, **kw)
+        qk_pos_emb_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
+        rope_type="yarn" if yarn else "rope", rotary_base=spec.rope_theta, **yarn, **kw)
+
+
+def _check_megatron_can_build(spec: ModelSpec) -> None:
+    """Refuse a spec whose forward megatron-core would compute differently (naming the field).
+
+    Raises:
+        ValueError: MLA rope rows rotated as halves (Megatron's MLA always de-interleaves pairs), a
+            YaRN setting Megatron's YaRN embedding has no knob for, or group-limited routing whose
+            group score is not Megatron's (the sum of each group's top ``topk / group_topk`` scores).
+    """
+    if spec.is_mla and not spec.rope_interleave:
+        raise ValueError(f"{spec.name}: rope_interleave=False: megatron-core's MLA rotates rope dims in pairs")
+    y = spec.rope_scaling
+    if y is not None:
+        if y.attention_factor is not None or not y.truncate:
+            raise ValueError(f"{spec.name}: rope scaling attention_factor/truncate=False has no megatron-core setting")
+        if bool(y.mscale) != bool(y.mscale_all_dim) and y.mscale_all_dim:
+            raise ValueError(f"{spec.name}: rope scaling mscale_all_dim={y.mscale_all_dim} without mscale: "
+                             "megatron-core scales cos/sin by the mscale ratio")
+    if spec.is_moe and spec.n_group > 1:
+        per_group = spec.num_experts_per_tok // spec.topk_group
+        if per_group != (2 if spec.router_expert_bias else 1):
+            raise ValueError(f"{spec.name}: n_group={spec.n_group}, topk_group={spec.topk_group}: megatron-core "
+                             f"scores a group by its top {per_group} experts, the checkpoint's router by its "
+                             f"{'top 2' if spec.router_expert_bias else 'best'}")
 
 
 def _block_spec(config: object, spec: ModelSpec, pp_rank: int) -> object:
@@ -264,7 +300,8 @@ def build_gpt_model(spec: ModelSpec, par: TrainParallel, rank: int, *, device: s
             vocab_size=padded_vocab_size(spec.vocab_size, par.tp, MAKE_VOCAB_SIZE_DIVISIBLE_BY),
             max_sequence_length=spec.max_position_embeddings, pre_process=pp_rank == 0,
             post_process=pp_rank == par.pp - 1, share_embeddings_and_output_weights=spec.tie_word_embeddings,
-            position_embedding_type="rope", rotary_percent=spec.partial_rotary_factor,
+            position_embedding_type="yarn" if spec.rope_scaling is not None and not spec.is_mla else "rope",
+            rotary_percent=spec.partial_rotary_factor,
             rotary_base=int(spec.rope_theta))
     model.to(device=device if device == "cpu" else torch.cuda.current_device(), dtype=dtype)
     for name, buf in model.named_buffers():
