@@ -25,11 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", default="tiny", help="full | layers=N | tiny (default tiny)")
     p.add_argument("--train", default=DEFAULT_TRAIN,
                    help="trainer sizes: tp=..,pp=..,cp=..,ep=..,etp=..,world=..,dp=..,last=..,mla_rep=0|1 replace the "
-                        "run profile's, keys not given keep the profile's (the world size too unless world= or dp=) "
-                        f"(default {DEFAULT_TRAIN})")
+                        "run profile's, keys not given keep the profile's (the world size too unless world= or dp=; "
+                        f"\"\": the profile's) (default {DEFAULT_TRAIN})")
     p.add_argument("--rollout", default=DEFAULT_ROLLOUT,
-                   help="engine sizes: tp=..,ep=..,dp=..,engines=.. replace the run profile's "
-                        f"(default {DEFAULT_ROLLOUT})")
+                   help="engine sizes: tp=..,ep=..,dp=..,engines=.. replace the run profile's (\"\": the "
+                        f"profile's) (default {DEFAULT_ROLLOUT})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--mode", choices=[m.value for m in RunMode], default=RunMode.BOTH.value)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, after one warm-up run")
