@@ -126,6 +126,14 @@ def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
         if why is not None:
             notes.append("broadcast skipped: " + why)
             modes = tuple(m for m in modes if m is not Mode.BROADCAST)
+            from weightsync.launch.bench_colocated import TENSOR_MODE, tensor_skip_reason
+
+            why_not = tensor_skip_reason(args.device, train.world_size, rollout.world_size)
+            if why_not is None:
+                notes.append("the colocated baseline (update_weights_from_tensor over CUDA IPC) runs instead")
+                modes = (*modes, TENSOR_MODE)
+            else:
+                notes.append("colocated baseline skipped: " + why_not)
     trainers, engines = bench_placement(args.device, train, rollout, train_gpus, rollout_gpus)
     transport = TransportConfig.resolve(
         args.transport, [(a, b) for a in trainers for b in engines], on_gpu=args.device == "cuda"
@@ -353,6 +361,35 @@ def _broadcast_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _post_load_summary(results: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """The post-load phase after each ``key`` update: the slowest engine's own seconds per run."""
+    engines = [r for r in results if r["role"] == "engine"]
+    if not engines or not engines[0][key].get("post_load"):
+        return None
+    runs = range(len(engines[0][key]["post_load"]))
+    per_run = [max(e[key]["post_load"][i]["own_s"] for e in engines) for i in runs]
+    timed = per_run[1:] or per_run
+    return {"first_s": per_run[0], "best_s": min(timed), "median_s": statistics.median(timed), "runs_s": timed}
+
+
+def _tensor_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    engines = [r for r in results if r["role"] == "engine"]
+    trainers = [r for r in results if r["role"] == "trainer"]
+    st = _stats(_timed_runs(results, "tensor"))
+    timed = [i for i, r in enumerate(trainers[0]["tensor"]["runs"]) if not r["warmup"]]
+    part = engines[0]["tensor"]
+    return {
+        **st,
+        "bytes_total": part["bytes"],
+        "gbps": _gbps(part["bytes"], st["best_s"]),
+        "buckets": part["buckets"],
+        "tensors": part["tensors"],
+        "best_fill_s": min(trainers[0]["tensor"]["runs"][i]["fill_s"] for i in timed),
+        "best_load_s": min(engines[0]["tensor"]["runs"][i]["load_s"] for i in timed),
+        "check": _checks(engines, "tensor"),
+    }
+
+
 def summarize(cfg: Any, results: list[dict[str, Any]], notes: list[str]) -> dict[str, Any]:
     """The benchmark's JSON record from every process's result."""
     from dataclasses import asdict
@@ -392,7 +429,15 @@ def summarize(cfg: Any, results: list[dict[str, Any]], notes: list[str]) -> dict
         out["broadcast"] = _broadcast_summary(results)
     if "p2p" in out and "broadcast" in out:
         out["speedup_p2p_vs_broadcast"] = out["broadcast"]["best_s"] / out["p2p"]["best_s"]
-    out["verified"] = all(out[m]["check"]["ok"] for m in ("p2p", "broadcast") if m in out)
+    if "tensor" in cfg.modes:
+        out["tensor"] = _tensor_summary(results)
+        if "p2p" in out:
+            out["speedup_p2p_vs_tensor"] = out["tensor"]["best_s"] / out["p2p"]["best_s"]
+    for m in ("p2p", "tensor"):
+        post = _post_load_summary(results, m) if m in cfg.modes else None
+        if post is not None:
+            out[m]["post_load"] = post
+    out["verified"] = all(out[m]["check"]["ok"] for m in ("p2p", "broadcast", "tensor") if m in out)
     return out
 
 
@@ -449,6 +494,15 @@ def format_table(s: dict[str, Any]) -> str:
         b = s["broadcast"]
         per = max(b["bytes_per_receiver"].values(), default=0)
         lines.append(_row("broadcast update", per, b["bytes_total"], b["best_s"], b["mean_s"], b["first_s"], b["gbps"]))
+    if "tensor" in s:
+        b = s["tensor"]
+        lines.append(_row("colocated baseline (from_tensor)", None, b["bytes_total"], b["best_s"], b["mean_s"],
+                          b["first_s"], b["gbps"]))
+    for m in ("p2p", "tensor"):
+        post = s.get(m, {}).get("post_load")
+        if post:
+            lines.append(_row(f"  post-load after {m}", None, 0, post["best_s"], post["median_s"], post["first_s"],
+                              None))
     tail = []
     if "ratio_wire_to_memcpy" in s:
         tail.append(
@@ -459,7 +513,10 @@ def format_table(s: dict[str, Any]) -> str:
         tail.append(f"p2p wire / copy in one process: {s['ratio_wire_to_local_copy']:.2f}")
     if "speedup_p2p_vs_broadcast" in s:
         tail.append(f"p2p vs broadcast: {s['speedup_p2p_vs_broadcast']:.2f}x")
-    checks = [f"{m} {'bit-exact' if s[m]['check']['ok'] else 'MISMATCH'}" for m in ("p2p", "broadcast") if m in s]
+    if "speedup_p2p_vs_tensor" in s:
+        tail.append(f"p2p vs colocated baseline: {s['speedup_p2p_vs_tensor']:.2f}x")
+    checks = [f"{m} {'bit-exact' if s[m]['check']['ok'] else 'MISMATCH'}" for m in ("p2p", "broadcast", "tensor")
+              if m in s]
     lines.append("   ".join(tail + checks))
     lines.extend(f"note: {n}" for n in s["notes"])
     return "\n".join(lines)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from weightsync.layout.box import box_shape, box_slices, full_box
+from weightsync.layout.box import box_slices, full_box
 from weightsync.models.spec import ModelSpec
 from weightsync.plan.inputs import PlanInputs
 from weightsync.quant.fp8_fused import FusedQuant, QuantTask
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 ALIGN = 256
+TENSOR_MODE = "tensor"
+"""The benchmark's name of this mode (beside ``p2p`` and ``broadcast``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,18 +175,20 @@ class TrainerBuckets:
             have = pieces.get(w.name, [])
             if w.quant_of is None:
                 for local, p in have:
-                    src = params[local][box_slices(p.local_box)].reshape(box_shape(p.global_box))
-                    copies.append((views[w.name][box_slices(p.global_box)], src))
+                    copies.append((views[w.name][box_slices(p.global_box)], params[local][box_slices(p.local_box)]))
                 continue
             block = g.block or inputs.globals[w.name + "_scale_inv"].block
+            src = None
             if len(have) == 1 and have[0][1].global_box == full_box(g.shape):
                 local, p = have[0]
-                src = params[local][box_slices(p.local_box)].reshape(g.shape)
-            else:  # several pieces (a fused or interleaved trainer tensor): assemble first
+                try:  # quantized straight from the parameter when its box is a view of that shape
+                    src = params[local][box_slices(p.local_box)].view(g.shape)
+                except RuntimeError:
+                    src = None
+            if src is None:  # several pieces (a fused or interleaved trainer tensor): assemble first
                 src = torch.empty(g.shape, dtype=getattr(torch, g.dtype), device=self.device)
                 for local, p in have:
-                    piece = params[local][box_slices(p.local_box)].reshape(box_shape(p.global_box))
-                    copies.append((src[box_slices(p.global_box)], piece))
+                    copies.append((src[box_slices(p.global_box)], params[local][box_slices(p.local_box)]))
             tasks.append(QuantTask(src=src, q=views[w.name], scale=views[w.name + "_scale_inv"]))
         quant = FusedQuant(tasks, block) if tasks else None
         return copies, quant
@@ -192,8 +196,8 @@ class TrainerBuckets:
     def fill(self, index: int) -> torch.Tensor:
         """Convert bucket ``index`` into its flat buffer (enqueued on the current stream)."""
         copies, quant = self._steps[index]
-        for dst, src in copies:
-            dst.copy_(src)
+        for dst, src in copies:  # views of the live parameters: reshaped here, never copied at set-up
+            dst.copy_(src.reshape(dst.shape))
         if quant is not None:
             quant.run()
         return self.flat[index % 2]

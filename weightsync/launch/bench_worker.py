@@ -78,6 +78,9 @@ def host_copy_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {"GLIBC_TUNABLES": f"{current}:{entry}" if current else entry}
 
 
+MODES = ("p2p", "broadcast", "tensor")
+"""``tensor``: the colocated baseline (:mod:`weightsync.launch.bench_colocated`; not a plan mode)."""
+
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """Set in every process the benchmark spawns: NVLink multicast stays off on shared GPU hosts."""
 
@@ -116,8 +119,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if not self.modes or any(m not in ("p2p", "broadcast") for m in self.modes):
-            raise ValueError(f"modes must be p2p and/or broadcast, got {self.modes}")
+        if not self.modes or any(m not in MODES for m in self.modes):
+            raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.device == "cuda" and (
@@ -266,6 +269,10 @@ class BenchRank:
                 self.cfg.transport, layout, device=self.device, rank=self.local % self.cfg.rollout.tp
             )
             self.expected = expected_store(self.data, self.store, self.spec)
+            if self.store.derived_names():
+                from weightsync.launch.bench_colocated import reference_derived
+
+                reference_derived(self.expected, self.spec)
             self.out["shard_bytes"] = sum(
                 box_volume(p.local_box) * DTYPE_BYTES[t.dtype] for t in layout if not t.derived for p in t.pieces
             )
@@ -399,10 +406,11 @@ class BenchRank:
         }
 
     # -- the two modes ------------------------------------------------------------------------
-    def _window(self, body: Callable[[], dict[str, Any]], *, warmup: bool) -> dict[str, Any]:
-        """Reset the engines' parameters (outside the window), then time ``body`` between two
-        barriers of every process."""
-        self._reset()
+    def _window(self, body: Callable[[], dict[str, Any]], *, warmup: bool, reset: bool = True) -> dict[str, Any]:
+        """Reset the engines' parameters (outside the window; unless ``reset`` is False), then time
+        ``body`` between two barriers of every process."""
+        if reset:
+            self._reset()
         self.barrier()
         t0 = time.perf_counter()
         row = body()
@@ -429,19 +437,69 @@ class BenchRank:
         if self.is_trainer:
             self.build_sender(infos)
         batches = self.memcpy_batches(infos)
-        memcpy, p2p = [], []
+        memcpy, p2p, post = [], [], []
         for i in range(self.cfg.repeats + 1):
             memcpy.append(self._window(lambda: self._memcpy_body(batches), warmup=i == 0))
             p2p.append(self._window(self._p2p_body, warmup=i == 0))
-        return memcpy, {"runs": p2p, "check": self.check()}
+            if self.has_post_load:
+                post.append(self._window(self._post_load_body, warmup=i == 0, reset=False))
+        return memcpy, {"runs": p2p, "check": self.check(derived=bool(post)), "post_load": post}
 
-    def check(self) -> dict[str, Any] | None:
-        """Engine: compare every parameter with the expected bytes (trainer: None)."""
+    @property
+    def has_post_load(self) -> bool:
+        """Whether the engines derive tensors after an update (the same on every process)."""
+        return any(t.derived for ts in self.inputs.engine_layouts for t in ts)
+
+    def _post_load_body(self) -> dict[str, Any]:
+        """Engine: the post-load derivations (every engine process runs them on its parameters)."""
+        if self.is_trainer:
+            return {}
+        from weightsync.engine.loader import run_post_load
+
+        assert self.store is not None
+        return {"own_s": run_post_load(self.store, self.spec)}
+
+    def tensor(self) -> dict[str, Any]:
+        """The colocated baseline (:mod:`weightsync.launch.bench_colocated`): warm-up +
+        ``repeats`` updates, each followed by the post-load phase; then the bit-exact check."""
+        from weightsync.launch import bench_colocated as bc
+
+        plan = bc.TensorBuckets.build(self.inputs, self.cfg.bucket_bytes)
+        trainer = bc.TrainerBuckets(plan, self.inputs, self.params(), self.device) if self.is_trainer else None
+        engine_rank = self.cfg.train.world_size
+
+        def exchange(obj: Any, src: int) -> Any:
+            box = [obj]
+            dist.broadcast_object_list(box, src=src)
+            return box[0]
+
+        def body() -> dict[str, Any]:
+            return bc.run_update(is_trainer=self.is_trainer, trainer=trainer, plan=plan, store=self.store,
+                                 spec=self.spec, exchange=exchange, engine_rank=engine_rank)
+
+        runs, post = [], []
+        for i in range(self.cfg.repeats + 1):
+            runs.append(self._window(body, warmup=i == 0))
+            if self.has_post_load:
+                post.append(self._window(self._post_load_body, warmup=i == 0, reset=False))
+        check = self.check(derived=bool(post))
+        if trainer is not None:
+            trainer.flat.clear()
+        return {"runs": runs, "check": check, "post_load": post, "buckets": len(plan.buckets),
+                "tensors": plan.num_tensors, "bytes": plan.nbytes}
+
+    def check(self, *, derived: bool = False) -> dict[str, Any] | None:
+        """Engine: compare every parameter with the expected bytes (trainer: None); with
+        ``derived``, the derived tensors too (after a post-load phase)."""
         if self.is_trainer:
             return None
         assert self.store is not None
         assert self.expected is not None
         bad = compare(self.store, self.expected)
+        if derived:
+            from weightsync.launch.bench_colocated import compare_derived
+
+            bad += compare_derived(self.store, self.expected)
         return {"params": len(self.store.names()), "mismatched": len(bad), "names": bad[:10]}
 
     def broadcast(self) -> dict[str, Any]:
@@ -530,6 +588,8 @@ def run_rank(bench: BenchRank) -> dict[str, Any]:
         out["memcpy"], out["p2p"] = bench.p2p(infos)
     if "broadcast" in cfg.modes:
         out["broadcast"] = bench.broadcast()
+    if "tensor" in cfg.modes:
+        out["tensor"] = bench.tensor()
     bench.barrier()
     return out
 
