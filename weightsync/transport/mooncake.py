@@ -2,11 +2,22 @@
 
 Each process runs one TransferEngine in P2PHANDSHAKE mode (no metadata server: peers exchange
 segment descriptors directly over the engine's RPC port); its session id is ``"host:rpc_port"``.
-Memory is registered once with ``register_memory``; a write is one
-``batch_transfer_sync_write(session, srcs, dsts, lengths)`` (the engine's batch API; it releases
-the GIL) issued on a worker thread, so :meth:`MooncakeTransport.write` returns at once and
+Memory is registered once with ``register_memory``. A write is one asynchronous Mooncake batch
+(``batch_transfer_async_write(session, srcs, dsts, lengths)``, then
+``get_batch_transfer_status([batch_id])``, which blocks with the GIL released until the batch
+completes or fails). :meth:`MooncakeTransport.write` submits the batch at once when fewer
+than ``workers`` (default 4) are in flight, else queues it, and returns; one thread waits for
+the oldest batch in flight and submits queued ones as slots free. So up to ``workers`` batches
+move at once, one per (destination, bucket) as the sender issues them. One waiting thread, not one per batch:
+Mooncake's wait busy-polls, and several pollers would take the cores the transfers need.
 :meth:`~MooncakeTransport.wait` applies the deadline. Destination addresses are the receiver's
 own pointers (Mooncake addresses remote memory by virtual address).
+
+A Mooncake batch cannot be cancelled. A write that misses its deadline raises ``TimeoutError``
+and is abandoned: :meth:`~MooncakeTransport.close` waits at most ``close_grace_s`` for writes
+still in flight (none for one that already timed out), then returns; memory that an abandoned
+batch may still read stays registered (and its engine alive) rather than being unregistered
+under it, and the worker thread is a daemon, so neither ``close()`` nor interpreter exit hangs.
 
 Protocol (``tcp``, ``rdma``, ...) and device (an RDMA NIC name such as ``mlx5_0``, or empty) are
 constructor arguments (:class:`~weightsync.transport.config.TransportConfig` carries them; the
@@ -20,14 +31,20 @@ CPU traffic belongs on shm; this is for other hosts.
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from weightsync.transport.base import Transport
 from weightsync.transport.handles import WriteBatch, WriteHandle, timeout_message
 from weightsync.transport.records import Region
+
+log = logging.getLogger(__name__)
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 DEFAULT_PROTOCOL = "tcp"
@@ -54,10 +71,16 @@ def _engine_class() -> Any:
     return TransferEngine
 
 
+DEFAULT_WORKERS = 4
+"""Batches in flight at once (miles' ``--p2p-transfer-num-workers`` default)."""
+CLOSE_GRACE_S = 5.0
+
+
 @dataclass(eq=False, kw_only=True)
 class MooncakeHandle(WriteHandle):
     future: Future[int]
     session_id: str
+    timed_out: bool = False
 
 
 class MooncakeTransport(Transport):
@@ -65,18 +88,36 @@ class MooncakeTransport(Transport):
 
     kind: ClassVar[str] = "mooncake"
 
-    def __init__(self, *, protocol: str = DEFAULT_PROTOCOL, device: str = "", hostname: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        *,
+        protocol: str = DEFAULT_PROTOCOL,
+        device: str = "",
+        hostname: str = "127.0.0.1",
+        workers: int = DEFAULT_WORKERS,
+        close_grace_s: float = CLOSE_GRACE_S,
+        engine_factory: Callable[[], Any] | None = None,
+    ) -> None:
         """Args:
         protocol: Mooncake transport protocol (``tcp``, ``rdma``, ...).
         device: RDMA device name(s) for ``rdma`` (``mlx5_0``); empty for ``tcp``.
         hostname: this host's address as peers reach it (an IP on multi-host runs).
+        workers: batches in flight at once (>= 1; 1 serializes the writes).
+        close_grace_s: how long :meth:`close` waits for writes still in flight.
+        engine_factory: builds the TransferEngine (default: Mooncake's; tests pass a fake).
 
         Raises:
+            ValueError: ``workers < 1`` or a negative ``close_grace_s``.
             RuntimeError: Mooncake is missing or the engine fails to start.
         """
         super().__init__()
+        if workers < 1:
+            raise ValueError(f"mooncake workers must be >= 1, got {workers}")
+        if close_grace_s < 0:
+            raise ValueError(f"close_grace_s must be >= 0, got {close_grace_s}")
         self.protocol, self.device, self.hostname = protocol, device, hostname
-        self._engine = _engine_class()()
+        self.workers, self.close_grace_s = workers, close_grace_s
+        self._engine = (engine_factory or _engine_class())()
         ret = self._engine.initialize(hostname, P2P_HANDSHAKE, protocol, device)
         if ret != 0:
             raise RuntimeError(
@@ -84,7 +125,17 @@ class MooncakeTransport(Transport):
                 f"returned {ret}: check the protocol/device (MOONCAKE_PROTOCOL, MOONCAKE_DEVICE)"
             )
         self._port = int(self._engine.get_rpc_port())
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-mooncake")
+        self._async = hasattr(self._engine, "batch_transfer_async_write")
+        self._cv = threading.Condition()
+        self._active: deque[tuple[Future[int], int]] = deque()
+        """Submitted batches, oldest first (at most ``workers``)."""
+        self._queued: deque[tuple[Future[int], str, list[int], list[int], list[int]]] = deque()
+        """Writes waiting for a slot."""
+        self._in_flight: set[Future[int]] = set()
+        self._abandoned: list[MooncakeHandle] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._worker, name="weightsync-mooncake", daemon=True)
+        self._thread.start()
 
     @property
     def session_id(self) -> str:
@@ -99,11 +150,65 @@ class MooncakeTransport(Transport):
             )
         return region
 
+    def _start(self, future: Future[int], session: str, src: list[int], dst: list[int], n: list[int]) -> None:
+        """Submit one batch (a Mooncake call that returns at once); caller holds the lock."""
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            if not self._async:
+                self._finish(future, int(self._engine.batch_transfer_sync_write(session, src, dst, n)))
+                return
+            batch_id = self._engine.batch_transfer_async_write(session, src, dst, n)
+        except BaseException as exc:  # handed to the waiter, which raises it
+            self._finish(future, exc=exc)
+            return
+        if not batch_id:  # Mooncake's failure sentinel: the segment would not open, or the submit failed
+            self._finish(future, -1)
+        else:
+            self._active.append((future, batch_id))
+            self._cv.notify_all()
+
+    def _worker(self) -> None:
+        """Wait for the oldest batch in flight (``get_batch_transfer_status`` blocks, GIL released,
+        busy-polling), then submit the queued ones that now fit; one thread, so one core polls
+        however many batches are in flight."""
+        while True:
+            with self._cv:
+                while not self._active and not self._stopping:
+                    self._cv.wait()
+                if not self._active:
+                    return
+                future, batch_id = self._active[0]
+            try:
+                ret: int | BaseException = int(self._engine.get_batch_transfer_status([batch_id]))
+            except BaseException as exc:  # handed to the waiter, which raises it
+                ret = exc
+            with self._cv:
+                self._active.popleft()
+                if isinstance(ret, BaseException):
+                    self._finish(future, exc=ret)
+                else:
+                    self._finish(future, ret)
+                while self._queued and len(self._active) < self.workers:
+                    self._start(*self._queued.popleft())
+
+    def _finish(self, future: Future[int], ret: int = 0, exc: BaseException | None = None) -> None:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(ret)
+        self._in_flight.discard(future)
 
     def _submit(self, batch: WriteBatch) -> MooncakeHandle:
         src, dst, n = (col.tolist() for col in batch.runs.T)
         session = batch.peer.session_id
-        future = self._pool.submit(self._engine.batch_transfer_sync_write, session, src, dst, n)
+        future: Future[int] = Future()
+        with self._cv:
+            self._in_flight.add(future)
+            if len(self._active) < self.workers and not self._queued:
+                self._start(future, session, src, dst, n)
+            else:
+                self._queued.append((future, session, src, dst, n))
         return MooncakeHandle(nbytes=batch.nbytes, future=future, session_id=session)
 
     def _wait(self, handle: WriteHandle, deadline: float) -> None:
@@ -111,17 +216,46 @@ class MooncakeTransport(Transport):
         try:
             ret = handle.future.result(timeout=max(deadline - time.monotonic(), 0.0))
         except TimeoutError:
+            # The handle stays valid (a later wait may still see it finish); close() will not
+            # wait for it.
+            if not handle.timed_out:
+                handle.timed_out = True
+                self._abandoned.append(handle)
             raise TimeoutError(timeout_message(self.kind, handle, deadline)) from None
         if ret != 0:
             raise RuntimeError(
-                f"Mooncake batch_transfer_sync_write to {handle.session_id!r} ({handle.nbytes} bytes) returned {ret}: "
+                f"Mooncake batch write to {handle.session_id!r} ({handle.nbytes} bytes) returned {ret}: "
                 f"the peer is unreachable or rejected an address (see the engine log above)"
             )
 
     def _close(self) -> None:
-        # Wait for a transfer still in flight (bounded by Mooncake's own transfer timeout)
-        # before unregistering the memory it reads.
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the worker; wait up to ``close_grace_s`` for writes in flight (not for one that
+        already timed out), then unregister, unless a write may still read the memory."""
+        with self._cv:
+            self._stopping = True
+            for item in self._queued:
+                item[0].cancel()  # never submitted: they never start
+                self._in_flight.discard(item[0])
+            self._queued.clear()
+            pending = set(self._in_flight)
+            self._cv.notify_all()
+        stuck = {h.future for h in self._abandoned}
+        end = time.monotonic() + self.close_grace_s
+        for f in pending - stuck:
+            try:
+                f.result(timeout=max(end - time.monotonic(), 0.0))
+            except TimeoutError:
+                stuck.add(f)
+            except Exception:  # its waiter reports the failure; close only needs it finished
+                continue
+        stuck = {f for f in stuck if not f.done()}
+        if stuck:
+            log.warning(
+                "closing the mooncake transport with %d write(s) still in flight: their memory stays registered "
+                "(a Mooncake batch cannot be cancelled)",
+                len(stuck),
+            )
+            return  # the engine stays alive with its registrations; the daemon worker holds it
         errors = []
         for r in self.regions:
             ret = self._engine.unregister_memory(r.addr)
