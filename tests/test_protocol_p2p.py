@@ -10,6 +10,10 @@ miles ``p2p_transfer_utils.query_remote_weight_infos`` does) -- and never writes
   --transport mooncake --transfer-info-format sglang``: sglang's ``--check-weight-update-equal``
   cycle passes, and the derived tensors still hold their reset values after every byte landed
   (nobody wrote them) until ``end_weight_update`` recomputes them.
+* ``weightsync run --engine-urls URL --transport mooncake`` against that engine: the run finds
+  its layout from ``/server_info``, ``/parallelism_config``, the published table and the model's
+  ``config.json`` alone, and every gate passes (check-weight-update-equal, checksums, logprob
+  parity); with ``--transport shm`` it is refused before any byte, naming why.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import httpx
 import pytest
 import torch
 
-from tests.engine_helpers import one_torch_thread, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
+from tests.e2e_helpers import assert_run_passed, e2e_ckpt_fixture, run_cli  # noqa: F401 -- the e2e_ckpt fixture
+from tests.engine_helpers import one_torch_thread, tiny  # noqa: F401 -- autouse fixture
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models.checkpoint import HFCheckpoint
@@ -39,6 +44,8 @@ from weightsync.sync.params import ParamStore, write_global
 from weightsync.transport.mooncake import mooncake_available
 
 MODEL = "GLM-4.7-Flash"
+PROFILE_FLAGS = ("--enable-dp-lm-head",)
+"""The sglang flags of the model's run profile (its engines are started with them)."""
 
 
 def _sglang_info(layout: list[Any]) -> dict[str, Any]:
@@ -81,10 +88,12 @@ def test_dest_rank_from_sglang_format() -> None:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("glm_flash")
-    write_tiny_checkpoint(MODEL, path)
-    return path
+def ckpt(e2e_ckpt: Path) -> Path:
+    """The run's prepared HF checkpoint of the model (shared with the end-to-end tests)."""
+    from weightsync.sources.prepare import ensure_prepared
+
+    hf_dir, _ = ensure_prepared(MODEL, scale="tiny", ckpt_dir=e2e_ckpt, progress=False)
+    return Path(hf_dir)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +109,7 @@ def sglang_engine(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     cmd = [sys.executable, "-m", "weightsync.cli", "serve", MODEL, "--scale", "tiny", "--checkpoint", str(ckpt),
            "--transport", "mooncake", "--mooncake-protocol", "tcp", "--transfer-info-format", "sglang",
+           "--compute-dtype", "float32", *PROFILE_FLAGS,
            "--port", str(port), "--log-level", "warning"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -186,3 +196,16 @@ def test_p2p_update_into_an_engine_publishing_only_sglangs_format(sglang_engine:
         assert {n: written[n] for n in derived} != {n: v for n, v in _checksums(url).items() if n in derived}
     finally:
         sender.close()
+
+
+@pytest.mark.timeout(400)
+def test_run_updates_an_engine_publishing_only_sglangs_format(sglang_engine: str, e2e_ckpt: Path,
+                                                              tmp_path: Path) -> None:
+    argv = ["run", MODEL, "--train", "tp=1,ep=1,world=1", "--rollout", "tp=1,ep=1,engines=1", "--mode", "p2p",
+            "--num-rollout", "1", "--engine-urls", sglang_engine]
+    refused = run_cli([*argv, "--transport", "shm"], ckpt_dir=e2e_ckpt, log_dir=tmp_path / "shm")
+    assert refused.returncode == 1, refused.describe()
+    assert "only --transport mooncake can write into it" in refused.output
+    run = run_cli([*argv, "--transport", "mooncake"], ckpt_dir=e2e_ckpt, log_dir=tmp_path / "mooncake")
+    assert_run_passed(run, modes=["p2p", "p2p"])
+    assert run.meta["transport"] == "mooncake"

@@ -206,8 +206,12 @@ def server_info(
     Readers rebuild ``ServerArgs(**info)`` from the keys they know (miles) or compare fields one
     by one (miles' external-engine check, this project's run): every value here is true.
     """
-    from weightsync import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        release = version("weightsync")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        release = "unknown"
     context = spec.max_position_embeddings
     return {
         "model_path": model_path,
@@ -249,7 +253,7 @@ def server_info(
         "max_total_num_tokens": cfg.max_batch_size * context,
         "max_req_input_len": context - 1,
         "startup_time": time.time(),
-        "version": __version__,
+        "version": release,
         "weightsync": {
             "model": cfg.model,
             "scale": cfg.scale,

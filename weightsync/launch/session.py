@@ -38,7 +38,7 @@ from weightsync.models.parallel import Device
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
 from weightsync.sync.engine_client import EngineError
-from weightsync.sync.p2p_sender import dest_rank_from_info
+from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, dest_rank_from_info
 from weightsync.transport import TransportConfig
 
 log = logging.getLogger(__name__)
@@ -155,35 +155,87 @@ class RunSession:
             self.setup_broadcast()
 
     def check_engines(self) -> None:
-        """Refuse engines that serve another model or layout, before any byte is written: their
-        ``/server_info`` (model, scale, parallel sizes and flags, transport) and, for p2p, the parameter
-        table every rank publishes (kept for :meth:`setup_p2p`)."""
+        """Refuse engines that serve another model or layout, before any byte is written.
+
+        Only what sglang itself publishes is read, so a real sglang server is checked the same way:
+        ``/server_info``'s ``ServerArgs`` sizes (tp, dp, ep, pp, moe-dense-tp, dp-lm-head); the
+        destination layout derived from the model's ``config.json`` at the engine's ``model_path``
+        (when this host can read it) against the plan's; and, for p2p, every rank's
+        ``/parallelism_config`` and published parameter table (each ``(numel, element_size)``
+        against the plan, kept for :meth:`setup_p2p`).
+        """
         r = self.cfg.rollout
-        want = {"model": self.cfg.model, "scale": self.cfg.scale, "tp_size": r.tp, "ep_size": r.ep, "dp_size": r.dp,
-                "moe_dense_tp_size": r.moe_dense_tp, "enable_dp_lm_head": r.dp_lm_head}
-        if Mode.P2P in self.cfg.modes:
-            want["transport"] = self._transport().kind.value
+        want = {"tp_size": r.tp, "dp_size": r.dp, "ep_size": r.ep, "pp_size": 1, "moe_dense_tp_size": r.moe_dense_tp,
+                "enable_dp_lm_head": r.dp_lm_head}
         infos = self.procs.on_engines(lambda c: c.server_info())
         for i, info in enumerate(infos):
-            problems = [f"{k}={info.get(k)!r} (this run needs {v!r})" for k, v in want.items() if info.get(k) != v]
+            sizes = [f"{k}={info.get(k)!r} (this run needs {v!r})" for k, v in want.items() if info.get(k) != v]
+            problems = self._model_problems(info, layouts=not sizes) + sizes
             if problems:
                 raise RunError(f"engine {i} at {self.procs.engines[i].url} does not match this run: "
                                + ", ".join(problems))
-        self._engine_weights = [str(info.get("model_path")) for info in infos]
+        self._engine_weights = [
+            f"dummy:{i.get('served_model_name')}" if i.get("load_format") == "dummy" else str(i.get("model_path"))
+            for i in infos
+        ]
         if Mode.P2P in self.cfg.modes:
             self._infos = self._transfer_infos()
 
+    def _model_problems(self, info: dict[str, Any], *, layouts: bool) -> list[str]:
+        """Why the engine's model (its ``config.json``) is not this run's, or how the destination
+        layout derived from it differs from the plan's (with ``layouts``: the sizes matched); []
+        when neither, or when this host cannot read the file (the parameter table is checked then)."""
+        from weightsync.models.resolve import CONFIG_FILE, model_spec
+
+        path = info.get("model_path")
+        if not path or not (Path(str(path)) / CONFIG_FILE).is_file():
+            log.warning("cannot read the engine's model config (%s/%s) here: its model is checked by the parameters "
+                        "it publishes only", path, CONFIG_FILE)
+            return []
+        try:
+            spec = model_spec(self.cfg.model, self.cfg.scale, checkpoint=str(path), dtype=self.spec.dtype)
+        except ValueError as exc:
+            return [f"its model {path}: {exc}"]
+        out: list[str] = []
+        for rank in range(self.cfg.rollout.tp if layouts else 0):
+            theirs = {t.name: (t.shape, t.dtype) for t in engine_layout(spec, self.cfg.rollout, rank)}
+            ours = {t.name: (t.shape, t.dtype) for t in self.inputs.dest_layout(rank)}
+            out += [f"rank {rank} {n}: engine {theirs.get(n)}, plan {ours.get(n)}"
+                    for n in sorted(set(theirs) | set(ours)) if theirs.get(n) != ours.get(n)]
+        if out:
+            return [f"the layout of its model ({path}) differs from the plan's in {len(out)} tensors, e.g. "
+                    + "; ".join(out[:3])]
+        return []
+
     def _transfer_infos(self) -> dict[int, dict[str, Any]]:
-        """Every rollout rank's published descriptor and parameter table, by global rollout rank."""
+        """Every rollout rank's published parameter table (and transport descriptor, an extension of
+        this project's engine), by global rollout rank, after its ``/parallelism_config`` and
+        table were checked against the plan."""
+        from weightsync.layout.sglang_coords import engine_coords
+
         tp = self.cfg.rollout.tp
+        kind = self._transport().kind.value
         out: dict[int, dict[str, Any]] = {}
         for e, eng in enumerate(self.procs.engines):
             for r in range(tp):
+                c = engine_coords(self.cfg.rollout, r)
+                expect = {"tp_size": c.tp_size, "tp_rank": c.tp_rank, "attn_tp_size": c.attn_tp_size,
+                          "attn_tp_rank": c.attn_tp_rank, "attn_dp_size": c.attn_dp_size,
+                          "attn_dp_rank": c.attn_dp_rank, "ep_size": c.moe_ep_size, "ep_rank": c.moe_ep_rank,
+                          "moe_tp_size": c.moe_tp_size, "moe_tp_rank": c.moe_tp_rank}
+                got = eng.client.parallelism_config(r)
+                bad = [f"{k}={got[k]} (plan: {v})" for k, v in expect.items() if k in got and got[k] != v]
+                if bad:
+                    raise RunError(f"engine {e} at {eng.url}, rank {r}: /parallelism_config differs: " + ", ".join(bad))
                 info = eng.client.transfer_engine_info(r)
                 session, weights = info["remote_instance_transfer_engine_info"]
                 descriptor = info.get("transport_descriptor")
-                if descriptor is None:
-                    raise RunError(f"engine {e} rank {r} published no transport descriptor: start it with --transport")
+                if descriptor is None and kind != SGLANG_TRANSPORT:
+                    raise RunError(f"engine {e} at {eng.url}, rank {r} publishes sglang's transfer-engine info only "
+                                   f"(no transport descriptor): only --transport {SGLANG_TRANSPORT} can write into it")
+                if descriptor is not None and descriptor.get("kind") != kind:
+                    raise RunError(f"engine {e} at {eng.url}, rank {r} receives through {descriptor.get('kind')!r}, "
+                                   f"this run sends through {kind!r}: start it with --transport {kind}")
                 out[e * tp + r] = {"session_id": session, "weights": weights, "descriptor": descriptor}
                 try:  # the parameters it publishes are the ones the plan writes (names, sizes)
                     dest_rank_from_info(e * tp + r, out[e * tp + r], self.inputs.dest_layout(e * tp + r))
@@ -279,7 +331,7 @@ class RunSession:
         on(lambda c: c.update_weight_version(str(self.version)))
         on(lambda c: c.continue_generation())
         t4 = time.perf_counter()
-        post = [e.get("post_load_s", 0.0) if isinstance(e, dict) else 0.0 for e in ends]
+        post = [e.get("post_load_seconds", 0.0) if isinstance(e, dict) else 0.0 for e in ends]
         return {
             "step": step, "mode": mode, "update_s": t4 - t1,
             "phases": {"pause": t1 - t0, "pack": pack, "wire": wire, "barrier": barrier, "post_load": t3 - t2,

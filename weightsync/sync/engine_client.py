@@ -80,7 +80,12 @@ class EngineClient:
         return self._call("GET", "/get_remote_instance_transfer_engine_info", params={"rank": rank})
 
     def get_weight_version(self) -> str:
-        return str(self._call("GET", "/get_weight_version").get("weight_version"))
+        """The live weight version: ``/model_info`` (sglang 0.5.16+ answers 404 on the older
+        ``/get_weight_version``, which is tried second, as miles does)."""
+        try:
+            return str(self._call("GET", "/model_info")["weight_version"])
+        except (EngineError, KeyError, TypeError):
+            return str(self._call("GET", "/get_weight_version")["weight_version"])
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, body: dict[str, Any]) -> Any:
@@ -93,11 +98,11 @@ class EngineClient:
         return self._call("POST", "/continue_generation", json={})
 
     def flush_cache(self) -> Any:
-        return self._call("POST", "/flush_cache")
+        return self._call("GET", "/flush_cache")
 
     # -- weight updates -------------------------------------------------------------------------
-    def begin_weight_update(self) -> Any:
-        return self._call("POST", "/begin_weight_update", json={})
+    def begin_weight_update(self, selector: str = "all") -> Any:
+        return self._call("POST", "/begin_weight_update", json={"selector": selector})
 
     def end_weight_update(self) -> Any:
         return self._call("POST", "/end_weight_update", json={})
