@@ -21,20 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.layout.box import LocalTensor, box_shape, box_slices
+from weightsync.models.dtypes import torch_dtype
 from weightsync.plan.api import plan_source_layouts
 from weightsync.plan.inputs import PlanInputs
 from weightsync.plan.ops import CopyOp
 from weightsync.plan.records import Mode, Plan
 from weightsync.quant.fp8 import block_scale_inv, quantize_block_fp8
-
-TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
 
 
 @dataclass(kw_only=True)
@@ -64,7 +56,7 @@ def random_globals(inputs: PlanInputs, seed: int = 0) -> dict[str, torch.Tensor]
     for name, g in inputs.globals.items():
         if g.quant_of is not None:
             continue
-        out[name] = torch.randn(g.shape, generator=gen, dtype=torch.float32).to(TORCH_DTYPES[g.dtype])
+        out[name] = torch.randn(g.shape, generator=gen, dtype=torch.float32).to(torch_dtype(g.dtype))
     return out
 
 
@@ -72,7 +64,7 @@ def _fill(tensors: Sequence[LocalTensor], values: dict[str, torch.Tensor]) -> di
     """Allocate ``tensors`` (zeros) and copy every piece from ``values``."""
     out = {}
     for t in tensors:
-        buf = torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype])
+        buf = torch.zeros(t.shape, dtype=torch_dtype(t.dtype))
         if not t.derived:
             for p in t.pieces:
                 value = values[p.global_name][box_slices(p.global_box)]
@@ -125,7 +117,7 @@ def _gather(inputs: PlanInputs, shards: list[dict[str, torch.Tensor]], gathered:
                 assert g.block is not None
                 vals[t.name] = quantize_block_fp8(full[src], g.block)[0]
             else:
-                vals[t.name] = full[src].to(TORCH_DTYPES[t.dtype])
+                vals[t.name] = full[src].to(torch_dtype(t.dtype))
         out.append(vals)
     return out
 
@@ -183,4 +175,4 @@ def simulate(inputs: PlanInputs, plan: Plan, *, seed: int = 0) -> SimulationRepo
 
 
 def _zeros(tensors: Sequence[LocalTensor]) -> dict[str, torch.Tensor]:
-    return {t.name: torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype]) for t in tensors}
+    return {t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype)) for t in tensors}

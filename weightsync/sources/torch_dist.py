@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from weightsync.layout.box import Box, LocalTensor, box_intersect, box_shape, box_slices
 from weightsync.layout.megatron import trainer_layout
+from weightsync.models.dtypes import torch_dtype
 from weightsync.models.parallel import TrainParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.sources.dist_layout import DistChunk, chunks_of, extra_state_objects
@@ -68,14 +69,6 @@ CHECKPOINT_VERSION = 3.0
 
 ReadGlobal = Callable[[str, Box], torch.Tensor]
 """``read(global_name, global_box)`` -> the region of an HF global tensor (any float dtype)."""
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; ValueError for an unknown name."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 

@@ -21,19 +21,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from weightsync.models.dtypes import torch_dtype
 from weightsync.models.hf import global_tensors
 from weightsync.models.spec import ModelSpec
 from weightsync.sync.params import ParamStore, write_global
 from weightsync.transport.group import new_weight_update_group
 
 logger = logging.getLogger(__name__)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 def check_update_request(spec: ModelSpec, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
@@ -52,7 +46,7 @@ def check_update_request(spec: ModelSpec, names: list[str], dtypes: list[str], s
             problems.append(f"{name}: not a tensor of {spec.name}")
             continue
         try:
-            _torch_dtype(dtype)
+            torch_dtype(dtype)
         except ValueError as exc:
             problems.append(f"{name}: {exc}")
         if tuple(shape) != table[name].shape:
@@ -102,7 +96,7 @@ class BroadcastReceiver:
         t0 = time.perf_counter()
         nbytes = 0
         for name, dtype, shape in zip(names, dtypes, shapes):
-            want = _torch_dtype(dtype)
+            want = torch_dtype(dtype)
             # fp8 travels as its bytes: gloo (and older NCCL) have no float8 type
             fp8 = want.is_floating_point and want.itemsize == 1
             buf = torch.empty(shape, dtype=torch.uint8 if fp8 else want, device=device)

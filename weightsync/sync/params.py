@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from weightsync.layout.box import Box, LocalTensor, Piece, box_slices
+from weightsync.models.dtypes import torch_dtype
 from weightsync.models.spec import ModelSpec
 from weightsync.quant.fp8 import quantize_block_fp8
 
@@ -36,13 +37,6 @@ class ArenaLike(Protocol):
     """What :class:`ParamStore` needs of an arena (:class:`weightsync.transport.arena.Arena` fits)."""
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 class ParamStore:
@@ -79,7 +73,7 @@ class ParamStore:
             self._buf.zero_()
         self._tensors: dict[str, torch.Tensor] = {}
         for t in layout:
-            dtype = _torch_dtype(t.dtype)
+            dtype = torch_dtype(t.dtype)
             off = offsets[t.name]
             raw = self._buf[off : off + t.numel * dtype.itemsize]
             self._tensors[t.name] = raw.view(dtype).view(t.shape)
@@ -123,7 +117,7 @@ class ParamStore:
         """Size of the block that holds ``layout`` (every tensor ``ALIGN_BYTES``-aligned)."""
         size = 0
         for t in layout:
-            size = -(-size // ALIGN_BYTES) * ALIGN_BYTES + t.numel * _torch_dtype(t.dtype).itemsize
+            size = -(-size // ALIGN_BYTES) * ALIGN_BYTES + t.numel * torch_dtype(t.dtype).itemsize
         return max(size, 1)
 
     def close(self) -> None:
@@ -136,7 +130,7 @@ def _offsets(layout: list[LocalTensor]) -> dict[str, int]:
     size = 0
     for t in layout:
         out[t.name] = -(-size // ALIGN_BYTES) * ALIGN_BYTES
-        size = out[t.name] + t.numel * _torch_dtype(t.dtype).itemsize
+        size = out[t.name] + t.numel * torch_dtype(t.dtype).itemsize
     return out
 
 
