@@ -16,8 +16,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-4
+FP8_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-4)
 TASK_FIELDS = 7
 """``src_offset (elements), src_pitch (elements), rows, cols, q_offset (bytes), scale_offset
 (bytes), flags`` (bit 0: write q, bit 1: write the scales)."""

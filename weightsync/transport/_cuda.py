@@ -34,7 +34,11 @@ EVENT_DISABLE_TIMING = 2
 IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 MEMORY_TYPE_DEVICE = 2  # cudaMemoryTypeDevice
 IPC_HANDLE_BYTES = 64
-MAX_PITCH = (1 << 31) - 1  # cudaMemcpy2D rejects larger pitches (cudaDevAttrMaxPitch)
+MAX_PITCH = (1 << 31) - 1
+POLL_MAX_S = 50e-6
+"""Longest pause between two polls of a copy's completion event. With 1 ms, a 4 ms update was
+seen up to 1 ms late (Qwen3-4B on one H200: p2p wire 5.4 ms against 4.55 ms for the same copies
+timed by device events)."""  # cudaMemcpy2D rejects larger pitches (cudaDevAttrMaxPitch)
 
 _vp = ctypes.c_void_p
 _sz = ctypes.c_size_t
@@ -288,7 +292,7 @@ class DeviceCopier:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, POLL_MAX_S)
 
     def close(self) -> None:
         """Finish queued copies and destroy the stream."""

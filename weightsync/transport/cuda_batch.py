@@ -40,8 +40,10 @@ MIN_BATCHED_RUNS = 8
 """Batches of fewer runs keep the per-run path: building a table costs more than it saves."""
 ALIGN = 16
 BASE_ALIGN = 256
-CHUNK_BYTES = 64 << 10
-"""Bytes per Triton program (``ITERS`` x ``BLOCK``)."""
+CHUNK_BYTES = 16 << 10
+"""Bytes per Triton program (``ITERS`` x ``BLOCK``). Swept on one H200 (scripts/bench_gpu.py,
+BENCHMARKS.md) over Qwen3-4B's and Qwen3-30B-A3B's runs: 16 KiB programs of 4 KiB iterations and
+4 warps were fastest (2,016 and 2,073 GB/s; 1 MiB programs: 1,735 and 1,748 GB/s)."""
 BLOCK_BYTES = 4096
 
 
