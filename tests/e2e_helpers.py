@@ -94,7 +94,8 @@ def run_in_process(argv: Sequence[str], *, ckpt_dir: Path, log_dir: Path,
         cfg = resolve(args, settings)
         assert cfg is not None
         hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=settings.ckpt_dir,
-                                                 train=cfg.train, progress=False)
+                                                 train=cfg.train, progress=False, hf_checkpoint=cfg.hf_checkpoint,
+                                                 dtype=cfg.dtype, synthetic=cfg.synthetic)
         summary = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir).run()
     return RunOutcome(returncode=0 if summary["validation_passed"] else 1, output=out.getvalue(), log_dir=log_dir,
                       results=_read_results(log_dir))

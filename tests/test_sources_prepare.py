@@ -8,9 +8,11 @@ Contracts:
 * A second run with the same request skips every step; an interrupted run (a temporary
   directory left behind) is cleaned up and redone; another request replaces weightsync's own
   output, never a directory weightsync did not write.
-* A checkpoint whose config does not match the model, that misses tensors or has mis-shaped
-  ones, or a parallel configuration that does not divide, is refused with a message naming the
-  problem, and nothing is left in the checkpoint directory.
+* A checkpoint of another family than the model's, one whose tensors do not match its own
+  config.json (missing or mis-shaped ones), or a parallel configuration that does not divide, is
+  refused with a message naming the problem, and nothing is left in the checkpoint directory.
+* A copy of a real checkpoint is what a later ``prepare`` (and ``run``) of the same directory uses,
+  never synthetic weights; outside the tiny scale synthetic weights are written only on request.
 * The CLI reads ``CKPT_SAVE_DIR`` through the launcher's environment reader.
 """
 
@@ -124,6 +126,32 @@ def test_given_hf_checkpoint_is_copied_not_synthetic(tmp_path):
     assert (src / "config.json").is_file()  # the source is untouched
 
 
+def test_recorded_checkpoint_is_reused_not_replaced_by_synthetic(tmp_path):
+    src = tmp_path / "downloaded"
+    tensors = _real_checkpoint(src, seed=11)
+    first = prep.prepare(_cfg(tmp_path, hf_checkpoint=src), say=lambda s: None)
+    assert first.weights == f"checkpoint:{src.resolve()}"
+    again = prep.prepare(_cfg(tmp_path), say=lambda s: None)  # no --hf-checkpoint: what prepare recorded
+    assert not again.synthetic
+    assert again.actions == {"hf": "skipped (recorded)", "torch_dist": "skipped (complete)",
+                             "prompts": "skipped (complete)"}
+    assert prep.weights_label(again.paths.hf) == first.weights
+    hf, _ = prep.ensure_prepared(MODEL, scale="tiny", ckpt_dir=tmp_path / "ckpt", train=TRAIN, progress=False)
+    copied, _ = read_hf_checkpoint(hf)
+    assert torch.equal(copied["model.norm.weight"], tensors["model.norm.weight"])
+
+
+def test_no_synthetic_weights_beyond_tiny_unless_asked(tmp_path):
+    """A run (no download) of a full-size model with nothing prepared stops and says how to get a
+    checkpoint; synthetic weights there only with ``synthetic=True`` (here refused as too large)."""
+    with pytest.raises(ValueError, match=r"no checkpoint of Kimi-K2 .*weightsync prepare Kimi-K2 --scale full.*"
+                                         r"moonshotai/Kimi-K2-Instruct.*--synthetic"):
+        prep.ensure_prepared("Kimi-K2", scale="full", ckpt_dir=tmp_path, progress=False)
+    with pytest.raises(ValueError, match=r"would be .* GiB"):
+        prep.ensure_prepared("Kimi-K2", scale="full", ckpt_dir=tmp_path, progress=False, synthetic=True)
+    assert _listing(tmp_path) == []
+
+
 def test_hf_checkpoint_already_in_place_is_used(tmp_path):
     paths = prep.checkpoint_paths(tmp_path / "ckpt", MODEL, "tiny")
     tensors = _real_checkpoint(paths.hf)  # e.g. downloaded there: no weightsync marker
@@ -153,7 +181,7 @@ def _wrong_shape(src):
 
 
 @pytest.mark.parametrize(("damage", "message"), [
-    (_bad_config, "hidden_size: checkpoint 96, model 64"),
+    (_bad_config, r"model.embed_tokens.weight \[300, 64\] \(expected \[300, 96\]\)"),
     (_missing_tensor, "missing tensors: model.layers.1.mlp.experts.3.up_proj.weight"),
     (_wrong_shape, r"model.layers.0.self_attn.o_proj.weight \[64, 32\] \(expected \[64, 64\]\)"),
 ], ids=["config", "missing", "shape"])
@@ -169,7 +197,7 @@ def test_bad_checkpoint_refused_nothing_written(tmp_path, damage, message):
 def test_other_model_refused(tmp_path):
     src = tmp_path / "downloaded"
     _real_checkpoint(src, model="Qwen3-4B")
-    with pytest.raises(ValueError, match="architectures: checkpoint 'Qwen3ForCausalLM'"):
+    with pytest.raises(ValueError, match="is a Qwen3ForCausalLM .*Qwen3-30B-A3B serves Qwen3MoeForCausalLM"):
         prep.prepare(_cfg(tmp_path, hf_checkpoint=src), say=lambda s: None)
     assert _listing(tmp_path / "ckpt") == []
 
@@ -195,7 +223,8 @@ def test_foreign_directory_is_never_replaced(tmp_path):
 
 
 def test_synthetic_full_scale_too_large_is_refused(tmp_path):
-    cfg = prep.PrepareConfig(model="Kimi-K2", scale="full", ckpt_dir=tmp_path, progress=False, download_only=True)
+    cfg = prep.PrepareConfig(model="Kimi-K2", scale="full", ckpt_dir=tmp_path, progress=False, download_only=True,
+                             synthetic=True)
     with pytest.raises(ValueError, match=r"would be .* GiB"):
         prep.prepare(cfg, say=lambda s: None)
 

@@ -16,7 +16,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt-dir", type=Path, default=None,
                         help="output directory (default: $CKPT_SAVE_DIR, else /root/multinode)")
     parser.add_argument("--hf-checkpoint", type=Path, default=None,
-                        help="use this HF safetensors directory instead of a synthetic checkpoint")
+                        help="use this HF checkpoint directory (config.json + safetensors; its config.json gives the "
+                             "architecture and shapes) instead of fetching the profile's")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="seeded random-init weights where no checkpoint is found (the tiny embedded default "
+                             "always uses them) instead of stopping when the hub cannot be reached")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                        help="the trainer's weight dtype (default bfloat16; float32 keeps a float32 checkpoint)")
     parser.add_argument("--scale", default=None,
                         help="full, tiny, or layers=N (default: full when this machine has the profile's GPUs, "
                              "else tiny -- the embedded default, with its trainer layout)")
@@ -59,8 +65,8 @@ def resolve(args: argparse.Namespace) -> PrepareConfig:
         scale, train = fit.scale, train or fit.train
     return PrepareConfig(model=args.model, scale=scale, ckpt_dir=Path(ckpt_dir),
                          hf_checkpoint=args.hf_checkpoint, download_only=args.download_only,
-                         prompt_data=args.prompt_data, train=train,
-                         seed=args.seed, progress=not args.no_progress)
+                         prompt_data=args.prompt_data, train=train, seed=args.seed, progress=not args.no_progress,
+                         dtype=args.dtype, synthetic=args.synthetic)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -73,4 +79,6 @@ def main(args: argparse.Namespace) -> int:
     if result.synthetic:
         print("note: the HF checkpoint is SYNTHETIC (seeded random-init weights in the real layout); "
               "pass --hf-checkpoint DIR to use real weights")
+    else:
+        print(f"weights: {result.weights}")
     return 0

@@ -43,6 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="auto", help="p2p transport: auto | shm | mooncake | cuda_ipc")
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--hf-checkpoint", type=Path, default=None,
+                   help="HF checkpoint directory to run (its config.json gives the architecture and shapes; prepared "
+                        "like `weightsync prepare --hf-checkpoint`); default: the one prepare recorded, else "
+                        "synthetic weights at tiny scale")
+    p.add_argument("--synthetic", action="store_true",
+                   help="synthetic weights where no checkpoint is prepared, also beyond the tiny scale")
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                   help="weight dtype of the trainer and the engines (default bfloat16; float32 keeps float32)")
     p.add_argument("--engine-urls", default="",
                    help="comma-separated URLs of engines already serving this run's model and layout (started "
                         "with `weightsync serve`): update them instead of starting engines; one URL per engine")
@@ -83,13 +91,14 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
     return RunConfig(model=args.model, scale=scale, mode=mode, device=device, train=train, rollout=rollout,
                      num_steps=args.num_rollout, env=env, log_dir=Path(log_dir), transport=args.transport,
                      prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
-                     embedded_default=embedded, engine_urls=urls)
+                     embedded_default=embedded, engine_urls=urls, dtype=args.dtype,
+                     hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic)
 
 
 def main(args: argparse.Namespace) -> int:
     from weightsync.launch.procs import TrainerError
     from weightsync.launch.session import RunError, RunSession
-    from weightsync.sources.prepare import ensure_prepared
+    from weightsync.sources.prepare import ensure_prepared, weights_label
     from weightsync.sync.engine_client import EngineError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -103,12 +112,16 @@ def main(args: argparse.Namespace) -> int:
         return 0
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train)
+        hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train,
+                                                 hf_checkpoint=cfg.hf_checkpoint, dtype=cfg.dtype,
+                                                 synthetic=cfg.synthetic)
     except (ValueError, FileExistsError) as exc:  # prepare's errors name the checkpoint and what is wrong
         print(f"weightsync run: prepare: {exc}", file=sys.stderr)
         return 2
-    print(f"model {cfg.model} ({cfg.scale}), mode {cfg.mode}, {cfg.device}; checkpoint {hf_dir}; logs {cfg.log_dir}",
-          flush=True)
+    weights = weights_label(hf_dir)
+    print(f"model {cfg.model} ({cfg.scale}), mode {cfg.mode}, {cfg.device}; checkpoint {hf_dir}; weights "
+          f"{'SYNTHETIC (seeded random-init, not a trained model)' if weights == 'synthetic' else weights}; "
+          f"logs {cfg.log_dir}", flush=True)
     try:
         summary = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir).run()
     except (RunError, EngineError, TrainerError) as exc:

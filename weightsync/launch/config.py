@@ -114,6 +114,12 @@ class RunConfig:
     engine_urls: tuple[str, ...] = ()
     """Engines already serving (``--engine-urls``): the run updates them and starts none; one URL
     per engine of ``rollout``."""
+    dtype: str = "bfloat16"
+    """Weight dtype of the trainer and of the engines' unquantized weights (``--dtype``)."""
+    hf_checkpoint: Path | None = None
+    """``--hf-checkpoint``: the checkpoint to run (else the one ``prepare`` recorded)."""
+    synthetic: bool = False
+    """``--synthetic``: synthetic weights where no checkpoint is found beyond the tiny scale."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

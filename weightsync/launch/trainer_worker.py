@@ -56,6 +56,8 @@ class WorkerConfig:
 
     model: str
     scale: str
+    spec: ModelSpec | None = None
+    """The run's model (a checkpoint's own shapes); None: the registry's at ``scale``."""
     train: TrainParallel
     rollout: RolloutParallel
     ckpt_dir: str
@@ -77,7 +79,7 @@ class Worker:
 
         self.rank = rank
         self.cfg = cfg
-        self.spec: ModelSpec = get_model(cfg.model, cfg.scale)
+        self.spec: ModelSpec = cfg.spec if cfg.spec is not None else get_model(cfg.model, cfg.scale)
         dist.init_process_group(
             "gloo", init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank, world_size=cfg.train.world_size
         )

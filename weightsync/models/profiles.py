@@ -36,6 +36,21 @@ def _megatron_args(t: TrainParallel) -> tuple[str, ...]:
     return tuple(args)
 
 
+HF_REPOS = {
+    "Qwen3-4B": "Qwen/Qwen3-4B",
+    "GLM-4.7-Flash": "zai-org/GLM-4.7-Flash",
+    "GLM-5_4layer": "Pinaster/GLM-5_4layer",
+    "GLM-5_20layer": "Pinaster/GLM-5_20layer",
+    "GLM-5": "zai-org/GLM-5",
+    "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
+    "GLM-4.5-Air": "zai-org/GLM-4.5-Air",
+    "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B-Instruct-2507",
+    "Kimi-K2": "moonshotai/Kimi-K2-Instruct",
+}
+"""Registry model -> the checkpoint repository of run.py ``PREPARE_CONFIGS`` (``hf_repo``)."""
+PROMPT_DATASETS = ("zhuzilin/dapo-math-17k",)
+"""The prompt data of every profile (run.py's ``--prompt-data``; its eval set aime-2024 is not used here)."""
+
 _CUDA_GRAPH_BS = ("--cuda-graph-bs", "1", "2", "4", "8", "16")
 
 
@@ -79,7 +94,7 @@ def _profile(model: str, *, nodes: int, train_gpus: int, rollout_gpus: int, tp: 
     sgl += extra
     return RunProfile(model=model, num_nodes=nodes, num_train_gpus=train_gpus, num_rollout_gpus=rollout_gpus,
                       train=train, rollout=rollout, sglang_args=tuple(sgl), megatron_args=_megatron_args(train),
-                      gpus_per_node=GPUS_PER_NODE)
+                      gpus_per_node=GPUS_PER_NODE, hf_repo=HF_REPOS[model], prompt_datasets=PROMPT_DATASETS)
 
 
 def _glm5_profile(model: str, *, nodes: int, gpus: int, pp: int, cp: int, ep: int, last: int | None,

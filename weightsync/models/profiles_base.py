@@ -23,6 +23,10 @@ class RunProfile:
     megatron_args: tuple[str, ...] = ()
     """The Megatron parallel flags of the reference run.py."""
     gpus_per_node: int = GPUS_PER_NODE
+    hf_repo: str = ""
+    """The Hugging Face repository ``prepare`` fetches the checkpoint from (run.py ``PREPARE_CONFIGS``)."""
+    prompt_datasets: tuple[str, ...] = ()
+    """Hugging Face dataset repositories of the prompt data ``prepare`` fetches (the first is the run's)."""
 
     def __post_init__(self) -> None:
         if self.train.world_size != self.num_train_gpus:

@@ -12,11 +12,25 @@ Outputs, for ``<name>`` = ``MODEL`` at full scale, ``MODEL_tiny`` at tiny scale 
 CLI entry point through :func:`weightsync.launch.config.env_settings`, the one place that
 reads the environment).
 
-The HF checkpoint is ``--hf-checkpoint DIR`` when given (checked against the model first, then
-copied, or used in place when it already is ``<ckpt>/<name>``), an HF checkpoint already at
-``<ckpt>/<name>`` (e.g. downloaded there), or else a SYNTHETIC one: seeded random-init weights
-with the model's real config and tensor layout (no model hub is reachable from these machines;
-the loading code is the same). The torch_dist shards are those of ``PrepareConfig.train`` (the
+The HF checkpoint, first found of:
+
+1. ``--hf-checkpoint DIR`` (checked, then hard-linked or copied; used in place when it already is
+   ``<ckpt>/<name>``);
+2. what an earlier ``prepare`` recorded at ``<ckpt>/<name>`` (a copy of a real checkpoint is
+   reused as such: ``run`` after ``prepare --hf-checkpoint DIR`` serves DIR's weights), or an HF
+   checkpoint put there by hand (used in place);
+3. at ``full`` / ``layers=N`` scale, the run profile's Hugging Face repository (``Qwen/Qwen3-4B``
+   ...), fetched through ``huggingface_hub`` into its cache (:mod:`weightsync.sources.hub`; only
+   ``prepare`` fetches, ``run`` never does); when the hub cannot be reached and nothing is cached,
+   one line says so and ``prepare`` stops unless ``--synthetic`` asks for synthetic weights;
+4. at ``tiny`` scale (the embedded default, whose shapes no published checkpoint has), or with
+   ``--synthetic``: SYNTHETIC weights, seeded random-init values in the model's real layout,
+   labelled so in the output and in the run's ``results.json`` (``meta.weights``).
+
+The model's architecture and shapes are the checkpoint's own (its config.json, read by
+:func:`weightsync.models.resolve.model_spec`), the registry's only for synthetic weights. The
+prompt data is ``--prompt-data``, else (``full`` / ``layers=N``) the profile's prompt dataset from
+the hub, else the bundled prompts. The torch_dist shards are those of ``PrepareConfig.train`` (the
 command's ``--train``, over the run profile: :func:`weightsync.models.fit.profile_sizes`; default:
 the model's run profile when it fits the scale, else a small configuration, see
 :func:`default_train`).
@@ -40,11 +54,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightsync.models import get_model, parse_scale
+from weightsync.models import get_profile, parse_scale
 from weightsync.models.parallel import TrainParallel
+from weightsync.models.resolve import model_spec
 from weightsync.models.spec import ModelSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bumped when the layout of an output changes (older outputs are then redone)."""
 BUNDLED_PROMPTS_NAME = "weightsync-math"
 SYNTHETIC_LIMIT_BYTES = 32 << 30
@@ -99,7 +114,7 @@ def default_train(spec: ModelSpec) -> TrainParallel:
     with contextlib.suppress(ValueError):  # a model without a run profile
         candidates.append(get_profile(spec.name).train)
     rep = _profile_mla_rep(spec.name)
-    candidates += [TrainParallel(world_size=2, tp=2, ep=2 if spec.is_moe else 1, mla_down_proj_replicated=rep),
+    candidates += [TrainParallel(world_size=2, tp=2, ep=2 if spec.is_moe else 1, etp=1, mla_down_proj_replicated=rep),
                    TrainParallel(world_size=1, mla_down_proj_replicated=rep)]
     for par in candidates:
         try:
@@ -129,6 +144,12 @@ class PrepareConfig:
     """Seed of a synthetic HF checkpoint."""
     progress: bool = True
     """Show progress bars (stderr)."""
+    dtype: str = "bfloat16"
+    """The trainer's weight dtype (``--dtype``; a float32 checkpoint stays float32 with ``float32``)."""
+    synthetic: bool = False
+    """Synthetic weights are wanted where no checkpoint is found (always so at ``tiny`` scale)."""
+    fetch: bool = True
+    """Fetch the profile's checkpoint and prompt data from the hub when none is in place (``run``: False)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,8 +157,12 @@ class PrepareResult:
     """What ``prepare`` produced (or found complete)."""
 
     paths: CheckpointPaths
+    spec: ModelSpec
+    """The model the checkpoint holds (its config.json's, or the registry's for synthetic weights)."""
     synthetic: bool
     """The HF checkpoint holds synthetic (random-init) weights."""
+    weights: str
+    """``synthetic`` or ``checkpoint:<dir>`` (the directory the weights came from)."""
     train: TrainParallel | None
     prompts: Path
     actions: dict[str, str]
@@ -197,90 +222,184 @@ def prepare(cfg: PrepareConfig, *, say: Callable[[str], None] = print) -> Prepar
     """
     from weightsync.layout.megatron import check_trainer_config
 
-    spec = get_model(cfg.model, cfg.scale)
     paths = checkpoint_paths(cfg.ckpt_dir, cfg.model, cfg.scale)
+    source = _resolve_hf_source(cfg, paths, say)
+    spec = _source_spec(cfg, paths, source)  # validates a checkpoint before anything is written
     train = None if cfg.download_only else (cfg.train or default_train(spec))
     if train is not None:
         check_trainer_config(spec, train)
-    prompts = _load_prompt_records(cfg.prompt_data)
-    hf_source = _resolve_hf_source(cfg, spec, paths)  # validates a given checkpoint before writing
+    prompt_source = _prompt_source(cfg, say)
+    prompts = _load_prompt_records(prompt_source)
     actions: dict[str, str] = {}
-    synthetic, hf_identity, actions["hf"] = _prepare_hf(cfg, spec, paths, hf_source, say)
+    hf_identity, actions["hf"] = _prepare_hf(cfg, spec, paths, source, say)
     if train is not None:
         actions["torch_dist"] = _prepare_torch_dist(cfg, spec, paths, train, hf_identity, say)
-    prompt_file, actions["prompts"] = _write_prompts(paths, cfg.prompt_data, prompts)
+    prompt_file, actions["prompts"] = _write_prompts(paths, prompt_source, prompts)
     say(f"prompts: {prompt_file} ({len(prompts)} prompts) -- {actions['prompts']}")
-    return PrepareResult(paths=paths, synthetic=synthetic, train=train, prompts=prompt_file, actions=actions)
+    return PrepareResult(paths=paths, spec=spec, synthetic=source.path is None, weights=weights_label(paths.hf),
+                         train=train, prompts=prompt_file, actions=actions)
 
 
 def ensure_prepared(model: str, *, scale: str, ckpt_dir: str | Path, train: TrainParallel | None = None,
-                    seed: int = 0, progress: bool = True) -> tuple[Path, Path]:
-    """``prepare`` for a run (synthetic HF checkpoint unless one is in place); returns the
-    ``(hf_dir, torch_dist_dir)`` the run loads."""
+                    seed: int = 0, progress: bool = True, hf_checkpoint: str | Path | None = None,
+                    dtype: str = "bfloat16", synthetic: bool = False) -> tuple[Path, Path]:
+    """``prepare`` for a run: the given checkpoint, or the one in place, else synthetic weights where
+    allowed (never a download); returns the ``(hf_dir, torch_dist_dir)`` the run loads.
+
+    Raises:
+        ValueError: as :func:`prepare`, and no checkpoint at ``full`` / ``layers=N`` scale without
+            ``synthetic``.
+    """
     result = prepare(PrepareConfig(model=model, scale=scale, ckpt_dir=Path(ckpt_dir), train=train, seed=seed,
-                                   progress=progress))
+                                   progress=progress, dtype=dtype, synthetic=synthetic, fetch=False,
+                                   hf_checkpoint=Path(hf_checkpoint) if hf_checkpoint is not None else None))
     return result.paths.hf, result.paths.torch_dist
+
+
+def weights_label(hf_dir: str | Path) -> str:
+    """``synthetic`` or ``checkpoint:<dir>`` for an HF directory ``prepare`` wrote or found in place
+    (the run's ``results.json`` ``meta.weights``)."""
+    from weightsync.sources.output_dir import read_marker
+
+    marker = read_marker(Path(hf_dir))
+    if marker is None:
+        return f"checkpoint:{Path(hf_dir).resolve()}"
+    request = marker.get("request", {})
+    if request.get("source") == "synthetic":
+        return "synthetic"
+    return f"checkpoint:{request.get('source')}"
 
 
 # --------------------------------------------------------------------------- HF checkpoint
 
 
-def _resolve_hf_source(cfg: PrepareConfig, spec: ModelSpec, paths: CheckpointPaths) -> Path | None:
-    """The HF directory to use (checked against the model), or None for a synthetic one."""
-    from weightsync.sources.hf_source import check_hf_checkpoint, synthetic_bytes
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HFSource:
+    """Where the HF checkpoint of a ``prepare`` comes from."""
+
+    path: Path | None
+    """The checkpoint directory (None: synthetic weights)."""
+    in_place: bool = False
+    """``path`` is ``<ckpt>/<name>`` itself (put there by hand, or recorded by an earlier prepare)."""
+    recorded: dict[str, Any] | None = None
+    """The request of a complete copy an earlier ``prepare`` made at ``<ckpt>/<name>``."""
+    repo: str = ""
+    """The hub repository it was fetched from ("" when not fetched)."""
+
+
+def _resolve_hf_source(cfg: PrepareConfig, paths: CheckpointPaths, say: Callable[[str], None]) -> HFSource:
+    """The checkpoint to use, in the order of the module docstring (nothing is read or written yet)."""
     from weightsync.sources.output_dir import read_marker
 
     if cfg.hf_checkpoint is not None:
-        check_hf_checkpoint(cfg.hf_checkpoint, spec)
-        return Path(cfg.hf_checkpoint).resolve()
-    if paths.hf.exists() and read_marker(paths.hf) is None:
-        try:
-            check_hf_checkpoint(paths.hf, spec)
-        except ValueError as exc:
+        path = Path(cfg.hf_checkpoint).resolve()
+        return HFSource(path=path, in_place=path == paths.hf.resolve())
+    marker = read_marker(paths.hf) if paths.hf.exists() else None
+    if paths.hf.exists() and marker is None:
+        return HFSource(path=paths.hf.resolve(), in_place=True)
+    request = (marker or {}).get("request", {})
+    if marker is not None and request.get("source") != "synthetic":
+        return HFSource(path=paths.hf.resolve(), in_place=True, recorded=request)
+    kind, _ = parse_scale(cfg.scale)
+    if kind == "tiny" or cfg.synthetic or (marker is not None and not cfg.fetch):
+        if kind == "tiny" and not cfg.synthetic and marker is None:
+            say(f"{cfg.model} at tiny scale (the embedded default): SYNTHETIC weights, the registry's tiny shapes "
+                "(a real checkpoint: --hf-checkpoint DIR, or --scale full to fetch the profile's)")
+        return HFSource(path=None)
+    repo = get_profile(cfg.model).hf_repo
+    if not cfg.fetch:
+        raise ValueError(f"no checkpoint of {cfg.model} at {paths.hf}: run `weightsync prepare {cfg.model} --scale "
+                         f"{cfg.scale}` (fetches {repo}), pass --hf-checkpoint DIR, or --synthetic for seeded random "
+                         "weights")
+    from weightsync.sources.hub import HubUnavailable, fetch_model
+
+    try:
+        path = fetch_model(repo)
+    except HubUnavailable as exc:
+        raise ValueError(f"{exc}: pass --hf-checkpoint DIR, or --synthetic for seeded random weights") from None
+    say(f"HF checkpoint: {repo} -> {path}")
+    return HFSource(path=path, repo=repo)
+
+
+def _source_spec(cfg: PrepareConfig, paths: CheckpointPaths, source: HFSource) -> ModelSpec:
+    """The model of ``source`` (its config.json, checked against its tensors), or the registry's."""
+    from weightsync.sources.hf_source import check_hf_checkpoint, synthetic_bytes
+
+    if source.path is None:
+        spec = model_spec(cfg.model, cfg.scale, dtype=cfg.dtype)
+        size = synthetic_bytes(spec)
+        if size > SYNTHETIC_LIMIT_BYTES:
+            raise ValueError(f"a synthetic checkpoint of {spec.name} at scale {spec.scale} would be "
+                             f"{size / 2**30:.0f} GiB (limit {SYNTHETIC_LIMIT_BYTES >> 30} GiB): pass --hf-checkpoint "
+                             "or a smaller --scale (tiny or layers=N)")
+        return spec
+    foreign = source.in_place and source.recorded is None and source.path == paths.hf.resolve() \
+        and cfg.hf_checkpoint is None
+    try:
+        spec = model_spec(cfg.model, cfg.scale, checkpoint=source.path, dtype=cfg.dtype)
+        check_hf_checkpoint(source.path, spec)
+    except ValueError as exc:
+        if foreign:
             raise FileExistsError(f"{paths.hf} exists, was not written by weightsync and is not usable: {exc}. "
                                   f"Move it away, pass --hf-checkpoint, or choose another --ckpt-dir") from None
-        return paths.hf.resolve()
-    size = synthetic_bytes(spec)
-    if size > SYNTHETIC_LIMIT_BYTES:
-        raise ValueError(f"a synthetic checkpoint of {spec.name} at scale {spec.scale} would be {size / 2**30:.0f} GiB "
-                         f"(limit {SYNTHETIC_LIMIT_BYTES >> 30} GiB): pass --hf-checkpoint or a smaller --scale "
-                         f"(tiny or layers=N)")
-    return None
+        raise
+    return spec
 
 
-def _prepare_hf(cfg: PrepareConfig, spec: ModelSpec, paths: CheckpointPaths, source: Path | None,
-                say: Callable[[str], None]) -> tuple[bool, str, str]:
-    """Returns (synthetic, identity of the HF checkpoint for the torch_dist request, action)."""
+def _prompt_source(cfg: PrepareConfig, say: Callable[[str], None]) -> Path | None:
+    """``--prompt-data``, else the profile's prompt dataset from the hub (full / layers=N), else None
+    (the bundled prompts)."""
+    if cfg.prompt_data is not None:
+        return cfg.prompt_data
+    datasets = get_profile(cfg.model).prompt_datasets
+    if not cfg.fetch or parse_scale(cfg.scale)[0] == "tiny" or not datasets:
+        return None
+    from weightsync.sources.hub import HubUnavailable, fetch_prompt_file
+
+    try:
+        return fetch_prompt_file(datasets[0])
+    except HubUnavailable as exc:
+        say(f"prompts: {exc}; using the bundled prompts")
+        return None
+
+
+def _prepare_hf(cfg: PrepareConfig, spec: ModelSpec, paths: CheckpointPaths, source: HFSource,
+                say: Callable[[str], None]) -> tuple[str, str]:
+    """Returns (identity of the HF checkpoint for the torch_dist request, action)."""
     from weightsync.sources.hf_source import synthetic_bytes, write_synthetic_hf
     from weightsync.sources.output_dir import atomic_output, is_complete, remove_stale_temps
 
     remove_stale_temps(paths.hf)
-    if source is not None and source == paths.hf.resolve():
+    if source.recorded is not None:
+        say(f"HF checkpoint: {paths.hf} -- copy of {source.recorded.get('source')} (an earlier prepare) -- complete, "
+            "used")
+        return _fingerprint(source.recorded), "skipped (recorded)"
+    if source.in_place:
         say(f"HF checkpoint: {paths.hf} (existing, checked against {spec.name} {spec.scale}; used in place)")
-        return False, "in-place:" + _dir_fingerprint(paths.hf), "used in place"
+        return "in-place:" + _dir_fingerprint(paths.hf), "used in place"
     request: dict[str, Any] = {"format": FORMAT_VERSION, "model": spec.name, "scale": spec.scale,
                                "spec": _spec_fingerprint(spec)}
-    if source is None:
+    if source.path is None:
         request.update(source="synthetic", seed=cfg.seed)
     else:
-        request.update(source=str(source), source_files=_dir_fingerprint(source))
+        request.update(source=str(source.path), source_files=_dir_fingerprint(source.path), repo=source.repo)
     identity = _fingerprint(request)
     label = ("SYNTHETIC (seeded random-init weights, seed "
-             f"{cfg.seed}; not a trained model)" if source is None else f"copy of {source}")
+             f"{cfg.seed}; not a trained model)" if source.path is None else f"copy of {source.path}")
     if is_complete(paths.hf, request):
         say(f"HF checkpoint: {paths.hf} -- {label} -- complete, skipped")
-        return source is None, identity, "skipped (complete)"
-    with atomic_output(paths.hf, request, info=lambda: {"synthetic": source is None}) as tmp:
-        if source is None:
+        return identity, "skipped (complete)"
+    with atomic_output(paths.hf, request, info=lambda: {"synthetic": source.path is None}) as tmp:
+        if source.path is None:
             bar = _Bar(cfg.progress, synthetic_bytes(spec), f"synthetic {spec.name}")
             try:
                 write_synthetic_hf(tmp, spec, cfg.seed, progress=bar)
             finally:
                 bar.close()
         else:
-            _copy_dir(source, tmp, cfg.progress)
+            _copy_dir(source.path, tmp, cfg.progress)
     say(f"HF checkpoint: {paths.hf} -- {label} -- written")
-    return source is None, identity, "written"
+    return identity, "written"
 
 
 def _copy_dir(src: Path, dst: Path, progress: bool) -> None:
