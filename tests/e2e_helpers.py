@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,33 @@ def run_command(cmd: Sequence[str], *, ckpt_dir: Path, log_dir: Path, env: Mappi
     proc = subprocess.run(list(cmd), cwd=REPO_ROOT, env=run_env(ckpt_dir, log_dir, env), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout_s, check=False)
     return RunOutcome(returncode=proc.returncode, output=proc.stdout, log_dir=log_dir, results=_read_results(log_dir))
+
+
+@contextmanager
+def serve_engine(argv: Sequence[str], log: Path) -> Iterator[str]:
+    """``weightsync serve ARGV`` (without ``--port``) on a free port until the block ends, its
+    output in ``log``; yields its URL once it is healthy."""
+    from weightsync.sync.engine_client import EngineClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PYTHON, "-m", "weightsync.cli", "serve", *argv, "--port", str(port)], cwd=REPO_ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        client = EngineClient(url)
+        try:
+            client.wait_healthy(timeout_s=180, proc_alive=lambda: proc.poll() is None)
+            yield url
+        finally:
+            client.close()
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 # -- what a passing run must show ---------------------------------------------------------------

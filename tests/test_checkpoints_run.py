@@ -17,53 +17,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.checkpoint_helpers import FAMILIES, PROMPTS, hf_logprobs, load_hf_model, write_family_checkpoint
-from tests.e2e_helpers import PYTHON, REPO_ROOT, assert_run_passed, run_cli
+from tests.e2e_helpers import assert_run_passed, run_cli, serve_engine
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(600)
 
 SEED = 1234
 """The run's trainer seed (RunConfig default)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def _engine(argv: list[str], log: Path) -> Iterator[str]:
-    """``weightsync serve ARGV`` on a free port until the block ends; yields its URL."""
-    from weightsync.sync.engine_client import EngineClient
-
-    port = _free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([PYTHON, "-m", "weightsync.cli", "serve", *argv, "--port", str(port)], cwd=REPO_ROOT,
-                                stdout=out, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        client = EngineClient(url)
-        try:
-            client.wait_healthy(timeout_s=180, proc_alive=lambda: proc.poll() is None)
-            yield url
-        finally:
-            client.close()
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def _engine_prompt_logprobs(url: str, ids: list[int]) -> list[float]:
@@ -101,7 +67,7 @@ def test_prepare_then_run_serves_the_checkpoint_and_matches_transformers(tmp_pat
     serve = [family.model, "--scale", "tiny", "--tp", str(rollout.tp), "--ep", str(rollout.ep), "--dp",
              str(rollout.dp), *(["--enable-dp-lm-head"] if rollout.dp_lm_head else []), "--transport", "shm",
              "--checkpoint", str(hf_dir), "--dtype", "float32", "--compute-dtype", "float32"]
-    with _engine(serve, tmp_path / "engine.log") as url:
+    with serve_engine(serve, tmp_path / "engine.log") as url:
         run = run_cli(["run", family.model, "--mode", "both", "--num-rollout", "1", "--dtype", "float32",
                        "--engine-urls", url], ckpt_dir=ckpt, log_dir=tmp_path / "run")
         assert_run_passed(run, modes=["p2p", "broadcast"])

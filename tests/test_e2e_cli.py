@@ -18,8 +18,6 @@ Contracts:
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +33,10 @@ from tests.e2e_helpers import (
     model_bytes,
     run_cli,
     run_command,
+    serve_engine,
 )
 from weightsync.launch.config import RunConfig
+from weightsync.proc import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -140,38 +140,15 @@ def _resolve(argv: list[str], env: dict[str, str], tmp_path: Path) -> RunConfig:
     return cfg
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def qwen_engine(e2e_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One running engine: Qwen3-4B tiny, TP 1, shm, loaded from the shared prepared checkpoint."""
     from weightsync.sources.prepare import ensure_prepared
-    from weightsync.sync.engine_client import EngineClient
 
     hf_dir, _ = ensure_prepared("Qwen3-4B", scale="tiny", ckpt_dir=e2e_ckpt, progress=False)
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("engine") / "engine.log", "w")  # noqa: SIM115 -- closed below
-    argv = [PYTHON, "-m", "weightsync.cli", "serve", "Qwen3-4B", "--scale", "tiny", "--tp", "1", "--transport", "shm",
-            "--checkpoint", str(hf_dir), "--port", str(port)]
-    proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    client = EngineClient(url)
-    try:
-        client.wait_healthy(timeout_s=120, proc_alive=lambda: proc.poll() is None)
+    argv = ["Qwen3-4B", "--scale", "tiny", "--tp", "1", "--transport", "shm", "--checkpoint", str(hf_dir)]
+    with serve_engine(argv, tmp_path_factory.mktemp("engine") / "engine.log") as url:
         yield url
-    finally:
-        client.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def _engine_state(url: str) -> tuple[str, dict[str, str]]:
@@ -206,7 +183,7 @@ def test_mismatched_engine_is_refused_before_any_byte(argv: list[str], named: st
 
 
 def test_unreachable_engine(e2e_ckpt: Path, tmp_path: Path):
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     run = run_cli(["run", "Qwen3-4B", "--train", "tp=1,cp=1,world=1", "--rollout", "tp=1", "--num-rollout", "1",
                    "--engine-urls", url], ckpt_dir=e2e_ckpt, log_dir=tmp_path)
     assert run.returncode == 1, run.describe()
