@@ -12,11 +12,12 @@ The default per-test timeout (pytest-timeout) is set in pyproject.toml; override
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from weightsync import proc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,5 @@ def repo_root() -> Path:
 
 @pytest.fixture
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (:func:`weightsync.proc.free_port`)."""
+    return proc.free_port()

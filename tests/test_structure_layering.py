@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "weightsync"
 LEVELS: dict[str, int] = {
     "data": 0,  # bundled prompt data (no weightsync imports)
     "quant": 0,  # fp8 blocks, MLA derivation (torch only)
+    "proc": 0,  # process plumbing: a free port, dying with the launcher
     "transport": 0,  # byte movers (knows no model)
     "models": 1,  # specs, registry, profiles, parallel sizes, checkpoints
     "layout": 2,  # pieces of global tensors
@@ -118,9 +119,9 @@ def test_no_import_cycles():
     assert not cycles, "import circles:\n" + "\n".join(cycles)
 
 
-@pytest.mark.parametrize("package", ["transport", "quant", "data"])
+@pytest.mark.parametrize("package", ["transport", "quant", "data", "proc"])
 def test_ground_floor_knows_no_model(package):
-    """transport, quant and data import nothing else of weightsync (transport knows no model)."""
+    """transport, quant, data and proc import nothing else of weightsync (transport knows no model)."""
     for path in (ROOT / package).rglob("*.py"):
         foreign = [t for _, t in _imports(path) if _package(t) != package]
         assert not foreign, f"{_module_name(path)} imports {foreign}"

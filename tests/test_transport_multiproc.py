@@ -12,7 +12,6 @@ behind. For dist (two-sided) a write whose receive is never posted times out at 
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from weightsync.proc import free_port
 from weightsync.transport import PeerDescriptor, deadline_after, make_transport
 from weightsync.transport.mooncake import mooncake_available
 from weightsync.transport.shm import list_segments
@@ -130,12 +130,6 @@ def _send(kind: str, port: int, inbox: Any, outbox: Any) -> dict[str, Any]:
     return {"num_runs": num_runs, "nbytes": nbytes, "timed_out": timed_out}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class WorkerPair:
     """Two spawned worker processes, a receiver and a sender, reused across tests."""
 
@@ -158,7 +152,7 @@ class WorkerPair:
         return [name for name in list_segments() if name.split("-")[1] in pids]
 
     def run(self, kind: str) -> dict[str, dict[str, Any]]:
-        port = _free_port()
+        port = free_port()
         for q in self.tasks.values():
             q.put((kind, port))
         out: dict[str, dict[str, Any]] = {}

@@ -17,13 +17,10 @@ Typical usage::
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import shutil
-import signal
-import socket
 import tempfile
 import threading
 import time
@@ -31,28 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.engine.config import ServeConfig
+from weightsync.proc import die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5
 """On stop, requests still waiting after this long (e.g. queued behind a pause) are cancelled."""
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this process when its parent (rank 0) dies, however it dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return
-    pr_set_pdeathsig = 1
-    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
-        logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank may outlive rank 0", ctypes.get_errno())
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
@@ -75,7 +56,7 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
     if cfg.checkpoint is not None:
         with HFCheckpoint(cfg.checkpoint) as ckpt:
             validate_checkpoint(spec, ckpt)
-    port = cfg.dist_port if cfg.dist_port is not None else _free_port()
+    port = cfg.dist_port if cfg.dist_port is not None else free_port()
     procs = []
     if par.tp > 1:
         ctx = mp.get_context("spawn")
@@ -121,7 +102,7 @@ def _worker_main(cfg: ServeConfig, rank: int, port: int) -> None:
     from weightsync.engine.bootstrap import build_rank, check_config, finish_rank
     from weightsync.engine.control import worker_loop
 
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
     spec, par = check_config(cfg)
     engine = build_rank(cfg, spec, par, rank, port)

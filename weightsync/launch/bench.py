@@ -33,7 +33,6 @@ import os
 import platform
 import queue
 import signal
-import socket
 import statistics
 import subprocess
 import time
@@ -43,17 +42,9 @@ from typing import Any
 from weightsync.launch.config import RunMode
 from weightsync.models.fit import profile_sizes
 from weightsync.plan.records import Mode
+from weightsync.proc import free_port
 
 log = logging.getLogger(__name__)
-
-
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host`` (not :mod:`weightsync.launch.procs`, which needs httpx)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def gpu_placement(

@@ -32,7 +32,6 @@ import ctypes
 import datetime
 import logging
 import os
-import signal
 import time
 import traceback
 from collections import defaultdict
@@ -51,12 +50,11 @@ from weightsync.models import get_model
 from weightsync.models.hf import DTYPE_BYTES
 from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
 from weightsync.plan.inputs import PlanInputs, build_inputs
+from weightsync.proc import die_with_parent
 from weightsync.sync.params import ParamStore
 from weightsync.transport import PeerDescriptor, TransportConfig, TransportKind, deadline_after
 
 log = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1
 
 NT_THRESHOLD_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 NT_THRESHOLD_BYTES = 4 << 20
@@ -594,21 +592,9 @@ def run_rank(bench: BenchRank) -> dict[str, Any]:
     return out
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the launcher dies (a killed launcher must not leave
-    ranks holding GPU memory); a no-op elsewhere."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the launcher is already gone
-        os._exit(1)
-
-
 def rank_main(rank: int, cfg: BenchConfig, results: Any) -> None:
     """Entry point of a spawned benchmark process; puts one result on ``results``."""
-    _die_with_parent()
+    die_with_parent()
     os.environ.update(GPU_ENV)
     logging.basicConfig(level=logging.INFO, format=f"[bench rank{rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.threads)

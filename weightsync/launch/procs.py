@@ -11,7 +11,6 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,13 +24,6 @@ from weightsync.sync.engine_client import EngineClient, EngineError
 from weightsync.transport import TransportConfig, TransportKind
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class TrainerError(RuntimeError):

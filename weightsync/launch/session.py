@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.launch.config import RunConfig
-from weightsync.launch.procs import LocalProcs, free_port, serve_argv
+from weightsync.launch.procs import LocalProcs, serve_argv
 from weightsync.launch.report import plot_phases, step_table, summary, write_results
 from weightsync.launch.trainer_worker import Cmd, WorkerConfig
 from weightsync.launch.validate import (
@@ -37,6 +37,7 @@ from weightsync.models.parallel import Device
 from weightsync.models.resolve import model_spec
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
+from weightsync.proc import free_port
 from weightsync.sync.engine_client import EngineError
 from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, dest_rank_from_info
 from weightsync.transport import TransportConfig
