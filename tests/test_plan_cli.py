@@ -26,7 +26,7 @@ def test_plan_cli_surface_is_pinned():
     plan = sub.choices["plan"]
     options = sorted(s for a in plan._actions for s in a.option_strings)
     assert options == sorted(["-h", "--help", "--mode", "--scale", "--train", "--rollout", "--verify", "--json",
-                              "--bucket-gb", "--cache-dir", "--save"])
+                              "--bucket-gb", "--cache-dir", "--save", "--simulate"])
 
 
 @pytest.mark.parametrize("mode", ["p2p", "broadcast"])

@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="broadcast bucket size in GiB, 2**30 bytes, as BUCKET_SIZE_GB (default 1)")
     parser.add_argument("--cache-dir", default=None, help="load/store plans in this directory")
     parser.add_argument("--save", default=None, metavar="PATH", help="write the plan (.npz)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="predict one update of both modes at full size on the reference profile with the "
+                             "calibrated cost model, beside the reference's published times (MODEL 'all': every "
+                             "reference profile)")
 
 
 def resolve_parallel(args: argparse.Namespace) -> tuple[TrainParallel, RolloutParallel]:
@@ -162,6 +166,8 @@ def format_table(r: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> int:
     from weightsync.plan.verify import PlanVerificationError
 
+    if args.simulate:
+        return _simulate(args)
     try:
         report = plan_report(args)
     except PlanVerificationError as exc:
@@ -175,4 +181,20 @@ def main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 2
     print(json.dumps(report) if args.json else format_table(report))
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """``--simulate``: the calibrated model's full-size table (:mod:`weightsync.plan.predict`)."""
+    from weightsync.plan.predict import format_rows, reference_rows
+
+    try:
+        rows = reference_rows(None if args.model == "all" else [args.model])
+    except (KeyError, ValueError) as exc:
+        print(f"weightsync plan: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows]))
+    else:
+        print(format_rows(rows))
     return 0
