@@ -66,7 +66,7 @@ def _train_parallel(model: str) -> Any:
     from weightsync.models import get_model
     from weightsync.models.parallel import TrainParallel
 
-    return TrainParallel(world_size=WORLD, tp=2, ep=2 if get_model(model).is_moe else 1)
+    return TrainParallel(world_size=WORLD, tp=2, ep=2 if get_model(model).is_moe else 1, etp=1)
 
 
 def _tokens(vocab: int, rows: int, length: int, seed: int) -> list[list[int]]:

@@ -183,3 +183,16 @@ def test_unsupported_field_is_refused_naming_it(key: str, edit: Any, named: str,
     assert named in msg, msg
     assert msg.startswith("x/config.json: ")
     assert "\n" not in msg
+
+
+def test_expert_tp_defaults_to_tp():
+    """Megatron's default expert-TP size is the TP size; the reference profiles give ETP 1."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from weightsync.models import get_profile
+    from weightsync.models.parallel import TrainParallel
+
+    megatron = ModelParallelConfig(tensor_model_parallel_size=2).expert_tensor_parallel_size
+    assert TrainParallel(world_size=4, tp=2, ep=2).etp == megatron == 2
+    assert TrainParallel(world_size=2, tp=2, ep=2, etp=1).etp == 1
+    assert {get_profile(m).train.etp for m in list_models()} == {1}

@@ -43,7 +43,7 @@ MLA_MODELS = [m for m in MODELS if get_model(m, "tiny").is_mla]
 
 
 def _par(world: int, **kw: int) -> TrainParallel:
-    return TrainParallel(world_size=world, **kw)
+    return TrainParallel(world_size=world, **{"etp": 1, **kw})  # ETP 1 unless given, as the profiles
 
 
 CONFIGS = [

@@ -39,7 +39,7 @@ from weightsync.models.parallel import TrainParallel
 pytest.importorskip("megatron.core")
 
 GRID = [
-    TrainParallel(world_size=w, **kw)
+    TrainParallel(world_size=w, **{"etp": 1, **kw})
     for w, kw in [
         (8, {"tp": 2, "cp": 2}),
         (16, {"tp": 2, "cp": 2, "pp": 2, "ep": 4}),
@@ -223,9 +223,10 @@ LIVE = {
     "qwen3-tp2-dp2": ("Qwen3-4B", TrainParallel(world_size=4, tp=2)),
     "qwen3-tp2-pp2-tied-last1": ("Qwen3-4B", TrainParallel(world_size=4, tp=2, pp=2, pp_last_stage_layers=1)),
     "qwen3-tp4-groups<tp": ("Qwen3-4B", TrainParallel(world_size=4, tp=4)),
-    "qwen3moe-tp2-ep2-dp2": ("Qwen3-30B-A3B", TrainParallel(world_size=4, tp=2, ep=2)),
+    "qwen3moe-tp2-ep2-dp2": ("Qwen3-30B-A3B", TrainParallel(world_size=4, tp=2, ep=2, etp=1)),
     "qwen3moe-tp4-ep2-etp2": ("Qwen3-30B-A3B", TrainParallel(world_size=4, tp=4, ep=2, etp=2)),
-    "glm45-tp2-pp2-ep2-last3": ("GLM-4.5-Air", TrainParallel(world_size=4, tp=2, pp=2, ep=2, pp_last_stage_layers=3)),
+    "glm45-tp2-pp2-ep2-last3": ("GLM-4.5-Air", TrainParallel(world_size=4, tp=2, pp=2, ep=2, etp=1,
+                                                             pp_last_stage_layers=3)),
     "glm45-tp1-ep4-dp4": ("GLM-4.5-Air", TrainParallel(world_size=4, ep=4)),
 }
 

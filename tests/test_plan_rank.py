@@ -23,7 +23,7 @@ from weightsync.plan.inputs import build_inputs
 
 CONFIGS = {
     "qwen3-moe-ep-etp-cp": ("Qwen3-30B-A3B", T(world_size=8, tp=2, ep=2, etp=2, cp=2), R(tp=4, ep=2, num_engines=2)),
-    "glm5-dp-attention-pp": ("GLM-5", T(world_size=8, tp=2, pp=2, ep=2), R(tp=4, dp=2, ep=4, num_engines=2)),
+    "glm5-dp-attention-pp": ("GLM-5", T(world_size=8, tp=2, pp=2, ep=2, etp=1), R(tp=4, dp=2, ep=4, num_engines=2)),
     "kimi-fp8": ("Kimi-K2", T(world_size=4, tp=1, ep=4), R(tp=4, dp=2, ep=4, num_engines=2)),
 }
 

@@ -26,14 +26,14 @@ GRID = {
     "train-tp1-below-rollout-tp4-kv-replicated": (T(world_size=2, tp=1, cp=2), R(tp=4, num_engines=1)),
     "pp3-uneven-last-stage": (T(world_size=6, tp=2, pp=3, pp_last_stage_layers=2), R(tp=2, num_engines=1)),
     "ep2-etp2-vs-rollout-ep2-moe-tp2": (T(world_size=8, tp=2, ep=2, etp=2, cp=2), R(tp=4, ep=2, num_engines=2)),
-    "dp-attention-ep4": (T(world_size=4, tp=2, ep=4), R(tp=4, dp=2, ep=4, num_engines=1)),
+    "dp-attention-ep4": (T(world_size=4, tp=2, ep=4, etp=1), R(tp=4, dp=2, ep=4, num_engines=1)),
     "dp4-attention-moe-tp4-etp2-pp2": (T(world_size=8, tp=1, ep=2, etp=2, pp=2), R(tp=4, dp=4, num_engines=2)),
 }
 # Kimi-K2 is fp8: split over TP as Megatron's local spec does, its MLA down projections (40 rows
 # at tiny scale) are not whole [8, 8] blocks per TP 2 shard (test_fp8_block_misalignment_names_the_tensor);
 # with trainer TP > 1 the grid keeps them whole, as the TE spec and the reference profile do.
 FP8_GRID = {
-    "fp8-tp2-mla-down-whole-ep2-dp-attention": (T(world_size=4, tp=2, ep=2, mla_down_proj_replicated=True),
+    "fp8-tp2-mla-down-whole-ep2-dp-attention": (T(world_size=4, tp=2, ep=2, mla_down_proj_replicated=True, etp=1),
                                                 R(tp=4, dp=2, ep=4, num_engines=2)),
     "fp8-ep2-etp2-pp2-dp4-attention": (T(world_size=8, tp=1, ep=2, etp=2, pp=2), R(tp=4, dp=4, num_engines=2)),
     "fp8-cp2-rollout-tp4": (T(world_size=2, tp=1, cp=2), R(tp=4, num_engines=1)),

@@ -38,7 +38,7 @@ WORLD = 2
 def _par(spec):
     from weightsync.models.parallel import TrainParallel
 
-    return TrainParallel(world_size=WORLD, tp=2, ep=2 if spec.is_moe else 1)
+    return TrainParallel(world_size=WORLD, tp=2, ep=2 if spec.is_moe else 1, etp=1)
 
 
 def _sharded_records(model):

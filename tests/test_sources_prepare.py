@@ -33,7 +33,7 @@ from weightsync.sources import prepare as prep
 from weightsync.sources.torch_dist import read_global_tensors
 
 MODEL = "Qwen3-30B-A3B"
-TRAIN = TrainParallel(world_size=2, tp=2, ep=2)
+TRAIN = TrainParallel(world_size=2, tp=2, ep=2, etp=1)
 
 
 def _cfg(tmp_path, **kw):
@@ -78,7 +78,7 @@ def test_mla_embedded_default_shards_keep_down_projections_whole(tmp_path):
         assert torch.equal(kv, hf["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"])
     # the other setting is another request: the shards are redone
     split = prep.prepare(prep.PrepareConfig(model="Kimi-K2", scale="tiny", ckpt_dir=tmp_path, progress=False,
-                                            train=TrainParallel(world_size=2, tp=2, ep=2)), say=lambda s: None)
+                                            train=TrainParallel(world_size=2, tp=2, ep=2, etp=1)), say=lambda s: None)
     assert split.actions["torch_dist"] == "written"
 
 

@@ -61,11 +61,11 @@ def _gather(trainers):
 
 CASES = [
     pytest.param("Qwen3-4B", TrainParallel(world_size=8, tp=2, pp=2, cp=2), id="qwen3-tp2-pp2-dp2"),
-    pytest.param("GLM-4.5-Air", TrainParallel(world_size=4, tp=2, ep=2), id="glm45-tp2-ep2-dp2"),
+    pytest.param("GLM-4.5-Air", TrainParallel(world_size=4, tp=2, ep=2, etp=1), id="glm45-tp2-ep2-dp2"),
     pytest.param("Kimi-K2", TrainParallel(world_size=8, tp=2, pp=2, ep=2, etp=2), id="kimi-tp2-pp2-ep2-etp2"),
-    pytest.param("Kimi-K2", TrainParallel(world_size=4, tp=2, ep=2, mla_down_proj_replicated=True),
+    pytest.param("Kimi-K2", TrainParallel(world_size=4, tp=2, ep=2, mla_down_proj_replicated=True, etp=1),
                  id="kimi-tp2-ep2-dp2-mla-down-dup"),
-    pytest.param("GLM-5", TrainParallel(world_size=2, tp=2, ep=2, mla_down_proj_replicated=True),
+    pytest.param("GLM-5", TrainParallel(world_size=2, tp=2, ep=2, mla_down_proj_replicated=True, etp=1),
                  id="glm5-tp2-ep2-mla-down-dup"),
 ]
 
@@ -104,7 +104,7 @@ def test_every_element_changes_every_step(model, par):
 
 def test_params_live_in_flat_regions():
     spec = get_model("Qwen3-30B-A3B", "tiny")
-    trainer = _trainers(spec, TrainParallel(world_size=2, tp=2, ep=2), synthetic_hf_tensors(spec, 0))[0]
+    trainer = _trainers(spec, TrainParallel(world_size=2, tp=2, ep=2, etp=1), synthetic_hf_tensors(spec, 0))[0]
     regions = dict(trainer.regions())
     assert set(regions) == {"synthetic_params_bfloat16"}
     arena = regions["synthetic_params_bfloat16"]
@@ -117,7 +117,7 @@ def test_reference_from_hf_dir_and_trainer_from_torch_dist(tmp_path):
     spec = get_model("GLM-4.5-Air", "tiny")
     hf = synthetic_hf_tensors(spec, seed=0)
     write_hf_checkpoint(tmp_path / "hf", hf, hf_config_dict(spec))
-    par = TrainParallel(world_size=2, tp=2, ep=2)
+    par = TrainParallel(world_size=2, tp=2, ep=2, etp=1)
     write_torch_dist(tmp_path / "td", spec, par, _reader(hf))
     trainers = [SyntheticTrainer.from_torch_dist(tmp_path / "td", spec, par, r, seed=SEED) for r in range(2)]
     for t in trainers:
@@ -135,7 +135,7 @@ def test_mla_down_proj_replicated_from_torch_dist(tmp_path):
     spec = get_model("Kimi-K2", "tiny")
     hf = synthetic_hf_tensors(spec, seed=0)
     write_hf_checkpoint(tmp_path / "hf", hf, hf_config_dict(spec))
-    par = TrainParallel(world_size=2, tp=2, ep=2, mla_down_proj_replicated=True)
+    par = TrainParallel(world_size=2, tp=2, ep=2, mla_down_proj_replicated=True, etp=1)
     write_torch_dist(tmp_path / "td", spec, par, _reader(hf))
     trainers = [SyntheticTrainer.from_torch_dist(tmp_path / "td", spec, par, r, seed=SEED) for r in range(2)]
     for t in trainers:

@@ -46,7 +46,7 @@ FAMILY_MODELS = ["Qwen3-4B", "Qwen3-30B-A3B", "GLM-4.5-Air", "Kimi-K2", "GLM-4.7
 
 def _configs(spec):
     if spec.is_moe:
-        return [TrainParallel(world_size=4, tp=2, ep=2), TrainParallel(world_size=8, tp=2, pp=2, ep=4, etp=1)]
+        return [TrainParallel(world_size=4, tp=2, ep=2, etp=1), TrainParallel(world_size=8, tp=2, pp=2, ep=4, etp=1)]
     return [TrainParallel(world_size=2, tp=2), TrainParallel(world_size=8, tp=2, pp=2, cp=2)]
 
 
@@ -81,7 +81,7 @@ def test_any_config_reads_its_layout(model, tensors, tmp_path):
     spec = get_model(model, "tiny")
     hf = tensors[model]
     write_torch_dist(tmp_path, spec, _configs(spec)[1], _reader(hf))
-    other = TrainParallel(world_size=4, tp=4, ep=4) if spec.is_moe else TrainParallel(world_size=4, tp=4)
+    other = TrainParallel(world_size=4, tp=4, ep=4, etp=1) if spec.is_moe else TrainParallel(world_size=4, tp=4)
     for rank in range(other.world_size):
         got = read_rank_tensors(tmp_path, spec, other, rank)
         for lt in trainer_layout(spec, other, rank):
@@ -130,7 +130,7 @@ MLA_MODELS = ["Kimi-K2", "GLM-4.7-Flash", "GLM-5"]
 def test_mla_down_proj_replicated_round_trip(model, write_rep, read_rep, tensors, tmp_path):
     """Written with one setting, read with either: each rank gets what its layout assembles."""
     spec = get_model(model, "tiny")
-    par = TrainParallel(world_size=4, tp=2, ep=2, mla_down_proj_replicated=write_rep)
+    par = TrainParallel(world_size=4, tp=2, ep=2, mla_down_proj_replicated=write_rep, etp=1)
     hf = tensors[model]
     write_torch_dist(tmp_path, spec, par, _reader(hf))
     reader = dataclasses.replace(par, mla_down_proj_replicated=read_rep)
@@ -150,7 +150,7 @@ def test_mla_down_proj_replicated_is_one_chunk_stored_once(model, tensors, tmp_p
     import torch.distributed.checkpoint as dcp
 
     spec = get_model(model, "tiny")
-    par = TrainParallel(world_size=4, tp=2, ep=2, mla_down_proj_replicated=True)
+    par = TrainParallel(world_size=4, tp=2, ep=2, mla_down_proj_replicated=True, etp=1)
     down = [f"self_attention.{n}" for n in ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")]
     per_rank = [{(c.key, c.global_offset, c.chunk_shape) for c in dist_chunks(spec, par, r)
                  if c.local_name.endswith(tuple(down))} for r in range(par.world_size)]
@@ -175,7 +175,7 @@ def test_mla_down_proj_replicated_is_one_chunk_stored_once(model, tensors, tmp_p
 
 def test_release_directory_layout(tensors, tmp_path):
     spec = get_model("Qwen3-30B-A3B", "tiny")
-    par = TrainParallel(world_size=4, tp=2, ep=2)  # ranks 2, 3 are data-parallel replicas of 0, 1
+    par = TrainParallel(world_size=4, tp=2, ep=2, etp=1)  # ranks 2, 3 are data-parallel replicas of 0, 1
     summary = write_torch_dist(tmp_path, spec, par, _reader(tensors["Qwen3-30B-A3B"]))
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "release"
     rel = release_dir(tmp_path)

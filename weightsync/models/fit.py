@@ -58,7 +58,8 @@ def embedded_layout(model: str) -> tuple[TrainParallel, RolloutParallel]:
     spec = get_model(model, "tiny")
     ep = 2 if spec.is_moe else 1
     dp = 2 if profile.rollout.dp > 1 else 1
-    train = TrainParallel(world_size=2, tp=2, ep=ep, mla_down_proj_replicated=profile.train.mla_down_proj_replicated)
+    train = TrainParallel(world_size=2, tp=2, ep=ep, etp=profile.train.etp,
+                          mla_down_proj_replicated=profile.train.mla_down_proj_replicated)
     rollout = RolloutParallel(tp=2, ep=ep, dp=dp, moe_dense_tp=profile.rollout.moe_dense_tp,
                               dp_lm_head=profile.rollout.dp_lm_head and dp > 1)
     return train, rollout

@@ -21,7 +21,10 @@ class TrainParallel:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    etp: int = 1
+    etp: int | None = None
+    """Expert tensor-parallel size; None (not given) becomes ``tp`` on construction, megatron-core's and
+    Megatron-LM's default (``ModelParallelConfig.expert_tensor_parallel_size``). The reference
+    profiles give ETP 1."""
     pp_last_stage_layers: int | None = None
     """Layers on the last PP stage when the split is uneven (Megatron
     ``--decoder-last-pipeline-num-layers``); the other stages share the rest evenly."""
@@ -34,6 +37,8 @@ class TrainParallel:
     effect on models without MLA."""
 
     def __post_init__(self) -> None:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
         for k in ("world_size", "tp", "pp", "cp", "ep", "etp"):
             if getattr(self, k) < 1:
                 raise ValueError(f"train {k} must be >= 1, got {getattr(self, k)}")
