@@ -196,3 +196,16 @@ def test_expert_tp_defaults_to_tp():
     assert TrainParallel(world_size=4, tp=2, ep=2).etp == megatron == 2
     assert TrainParallel(world_size=2, tp=2, ep=2, etp=1).etp == 1
     assert {get_profile(m).train.etp for m in list_models()} == {1}
+
+
+def test_unreadable_checkpoint_files_are_refused_naming_them(tmp_path: Path):
+    from weightsync.sources.hf_source import check_hf_checkpoint
+
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/config.json: not readable as JSON"):
+        model_spec("Qwen3-4B", checkpoint=tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(get_model("Qwen3-4B", "tiny"))))
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    spec = model_spec("Qwen3-4B", "tiny", checkpoint=tmp_path)
+    with pytest.raises(ValueError, match=rf"{tmp_path}/model.safetensors: not a readable safetensors file"):
+        check_hf_checkpoint(tmp_path, spec)

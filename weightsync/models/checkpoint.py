@@ -334,7 +334,8 @@ class HFCheckpoint:
         """Open ``path``.
 
         Raises:
-            ValueError: no safetensors file, or an index naming a missing file.
+            ValueError: no safetensors file, an index naming a missing file, or a file that is not
+                safetensors (the message names the file).
         """
         from safetensors import safe_open
 
@@ -351,7 +352,14 @@ class HFCheckpoint:
         missing = [f for f in files if not (self.path / f).is_file()]
         if missing:
             raise ValueError(f"{self.path}: the index names missing files {missing}")
-        self._handles = {f: safe_open(str(self.path / f), framework="pt") for f in files}
+        from safetensors import SafetensorError
+
+        self._handles = {}
+        for f in files:
+            try:
+                self._handles[f] = safe_open(str(self.path / f), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise ValueError(f"{self.path / f}: not a readable safetensors file ({exc})") from None
         self._where: dict[str, str] = {}
         for f, h in self._handles.items():
             for name in h.keys():  # noqa: SIM118 -- safe_open handles have keys(), not __iter__
