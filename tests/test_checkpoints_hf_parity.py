@@ -63,24 +63,26 @@ def _engine_logprobs(argv: list[str], rank: int, port: int) -> list[torch.Tensor
         finish_rank(engine)
 
 
-def _rank_main(rank: int, jobs: list[tuple[str, list[str], int]], out: str) -> None:
+def _rank_main(rank: int, jobs: list[tuple[str, list[str]]], ports: Any, out: str) -> None:
+    """Every job's engine, one after the other; rank 0 picks each rendezvous port just before its
+    engine starts (a port picked long before may be taken by then) and hands it to rank 1."""
     torch.set_num_threads(1)
     seen = {}
-    for case, argv, port in jobs:
+    for case, argv in jobs:
+        if rank == 0:
+            port = _free_port()
+            ports.put(port)
+        else:
+            port = ports.get()
         seen[case] = _engine_logprobs(argv, rank, port)
     if rank == 0:
         torch.save(seen, out)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +100,10 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             want[key] = [hf_logprobs(model, list(p)) for p in PROMPTS]
         got = {f"{key}-tp1": _engine_logprobs(_serve_argv(key, ckpts[key], "tp1"), 0, 0)
                for key in FAMILIES}
-        multi = [(key, layout) for key, layout in CASES if layout != "tp1"]
-        ports = _free_ports(len(multi))
-        jobs = [(f"{key}-{layout}", _serve_argv(key, ckpts[key], layout), port)
-                for (key, layout), port in zip(multi, ports)]
+        jobs = [(f"{key}-{layout}", _serve_argv(key, ckpts[key], layout)) for key, layout in CASES if layout != "tp1"]
         out = root / "seen.pt"
-        mp.start_processes(_rank_main, args=(jobs, str(out)), nprocs=2, start_method="spawn")
+        ports = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(_rank_main, args=(jobs, ports, str(out)), nprocs=2, start_method="spawn")
         got.update(torch.load(Path(out)))
     finally:
         torch.set_num_threads(before)
