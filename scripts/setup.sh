@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up this checkout on a fresh machine: system libraries Mooncake needs, a virtual environment
-# in .venv at the repo root, CPU torch, then weightsync (editable) with its test tools.
+# Set up this checkout on a fresh machine: system packages (the libraries Mooncake needs, iproute2),
+# a virtual environment in .venv at the repo root, CPU torch, then weightsync (editable) with its test
+# tools.
 # Idempotent: every step checks first and does nothing when already done.
 #
 #   bash scripts/setup.sh
@@ -16,7 +17,9 @@ cd "$ROOT"
 
 TORCH_VERSION="2.13.0"
 EXTRAS="${WEIGHTSYNC_EXTRAS:-test}"
-APT_PACKAGES=(libibverbs1 librdmacm1 ibverbs-providers libnuma1 libcurl4)
+# Mooncake's transfer engine links the first five; iproute2's `ip` builds the hosts of the multi-node
+# test (network namespaces).
+APT_PACKAGES=(libibverbs1 librdmacm1 ibverbs-providers libnuma1 libcurl4 iproute2)
 VENV="$ROOT/.venv"
 VPY="$VENV/bin/python"
 LOG="$(mktemp -t weightsync-setup.XXXXXX.log)"
@@ -34,7 +37,7 @@ quiet() {
     fi
 }
 
-# --- 1. system libraries (Mooncake's engine.so links libibverbs; tcp works without RDMA hardware) ---
+# --- 1. system packages (Mooncake's engine.so links libibverbs; tcp works without RDMA hardware) ---
 install_system_packages() {
     if ! command -v dpkg-query >/dev/null 2>&1; then
         if ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
@@ -49,7 +52,7 @@ install_system_packages() {
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
     done
     if ((${#missing[@]} == 0)); then
-        log "system libraries: present (${APT_PACKAGES[*]})"
+        log "system packages: present (${APT_PACKAGES[*]})"
         return
     fi
     local sudo=()
@@ -57,7 +60,7 @@ install_system_packages() {
         command -v sudo >/dev/null 2>&1 || die "need root (or sudo) to install: ${missing[*]}"
         sudo=(sudo -n)
     fi
-    log "system libraries: installing ${missing[*]} (apt-get)"
+    log "system packages: installing ${missing[*]} (apt-get)"
     quiet "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     quiet "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
@@ -123,10 +126,10 @@ sys.exit(not weightsync.__file__.startswith(sys.argv[1]))' "$ROOT/" 2>/dev/null;
 }
 
 check_imports() {
-    quiet "$VPY" -c 'import weightsync, torch, mooncake.engine, fastapi, safetensors, xxhash'
+    quiet "$VPY" -c 'import weightsync, torch, mooncake.engine, fastapi, safetensors, xxhash, ray'
     log "ready: $("$VPY" -c 'import importlib.metadata as m, platform
 print(f"Python {platform.python_version()}, " + ", ".join(f"{d} {m.version(d)}" for d in
-      ("torch", "megatron-core", "mooncake-transfer-engine-non-cuda")))')"
+      ("torch", "megatron-core", "mooncake-transfer-engine-non-cuda", "ray")))')"
 }
 
 log "weightsync set-up in $ROOT (log: $LOG)"

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "world= or dp= is given, e.g. tp=2,ep=2,world=2 (default: the run profile when it fits "
                              "the scale, else a small configuration)")
     parser.add_argument("--seed", type=int, default=0, help="seed of a synthetic HF checkpoint (default 0)")
+    parser.add_argument("--head-ip", default="",
+                        help="prepare for a multi-node run (as `run --head-ip`): the profile fits when this node has "
+                             "a node's worth of its GPUs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -59,7 +62,7 @@ def resolve(args: argparse.Namespace) -> PrepareConfig:
         ckpt_dir = env_settings().ckpt_dir
     scale, train = args.scale, profile_sizes(args.model, args.train)[0] if args.train else None
     if scale is None:
-        fit = fit_profile(args.model, cuda_device_count())
+        fit = fit_profile(args.model, cuda_device_count(), multi_node=bool(args.head_ip))
         if fit.note:
             print(fit.note)
         scale, train = fit.scale, train or fit.train

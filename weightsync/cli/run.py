@@ -7,6 +7,13 @@ for MoE families, DP-attention where the profile uses it). Any of ``--scale``, `
 ``--rollout``, ``--device`` given, the run is the profile's parallel sizes with ``--train`` /
 ``--rollout`` replacing the keys they name (:func:`weightsync.models.fit.profile_sizes`, the same
 as in ``prepare``, ``plan`` and ``bench``), at ``--scale`` (default full on cuda, else tiny).
+
+Many nodes: with ``--head-ip`` (or a ``--node-rank`` above 0) a profile of several nodes runs on
+that many nodes through Ray (:mod:`weightsync.launch.cluster`). Node rank 0 starts the Ray head,
+waits for the other nodes, places the trainer ranks and engines on them by the profile
+(:func:`weightsync.models.fit.plan_nodes`; the embedded default: trainer on node 0, one engine on
+each other node) and runs the job; every other node joins, hosts what is placed on it and leaves
+when the job ends. Without ``--head-ip`` on node rank 0 everything runs on this machine, as before.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from weightsync.launch.config import EnvSettings, RunConfig, RunMode, env_settings
+from weightsync.launch.config import ClusterSpec, EnvSettings, RunConfig, RunMode, env_settings
 from weightsync.models import list_models
-from weightsync.models.fit import cuda_device_count, fit_profile, profile_sizes
+from weightsync.models.fit import cuda_device_count, fit_profile, plan_nodes, profile_sizes
+from weightsync.models.profiles import get_profile
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +36,12 @@ log = logging.getLogger(__name__)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registry model name (weightsync list)")
     p.add_argument("--mode", default=RunMode.P2P.value, help="p2p (default), broadcast, or both (alternating, one run)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 = head)")
-    p.add_argument("--head-ip", default="", help="head node address (multi-node profiles)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's rank in a multi-node run (0 = the head, which runs the job; 1.. join it)")
+    p.add_argument("--head-ip", default="",
+                   help="the head node's address as the other nodes reach it: run a multi-node profile on its nodes "
+                        "through Ray (port WEIGHTSYNC_RAY_PORT, default 6379; the head waits "
+                        "WEIGHTSYNC_NODE_TIMEOUT_S, default 300, for the nodes); without it node 0 runs alone")
     p.add_argument("--num-rollout", type=int, default=3, help="training steps, each followed by an update")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when the profile fits")
     p.add_argument("--scale", default=None, help="full | layers=N | tiny (default: the profile's or tiny)")
@@ -56,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with `weightsync serve`): update them instead of starting engines; one URL per engine")
 
 
-def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
-    """The run this invocation stands for, or None when this node has nothing to do.
+def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
+    """The run this invocation stands for; on a worker node of a multi-node run, the head's run
+    (whose ``cluster`` says this node's part).
 
     Raises:
         ValueError: unknown model or mode, or a bad parallel layout (the message says which).
@@ -65,6 +78,14 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
     if args.model not in list_models():
         raise ValueError(f"unknown model {args.model!r}; known: {', '.join(list_models())}")
     mode = RunMode.parse(args.mode)
+    if args.node_rank < 0:
+        raise ValueError(f"--node-rank must be >= 0, got {args.node_rank}")
+    profile = get_profile(args.model)
+    multi_node = profile.num_nodes > 1 and (bool(args.head_ip) or args.node_rank > 0)
+    if args.node_rank > 0 and not multi_node:
+        raise ValueError(f"--node-rank {args.node_rank}: {args.model}'s profile runs on one node; run it there "
+                         "without --node-rank")
+    num_nodes = profile.num_nodes if multi_node else 1
     explicit = any(x is not None for x in (args.scale, args.train, args.rollout, args.device))
     have = cuda_device_count()
     embedded = False
@@ -73,26 +94,34 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig | None:
         scale = args.scale or ("full" if device == "cuda" else "tiny")
         train, rollout = profile_sizes(args.model, args.train, args.rollout)
     else:
-        fit = fit_profile(args.model, have)
-        if fit.embedded and args.node_rank != 0:
-            print(f"{fit.note} It runs on the head node only: node {args.node_rank} has nothing to do.")
-            return None
-        if fit.note:
+        fit = fit_profile(args.model, have, multi_node=multi_node)
+        if fit.note and args.node_rank == 0:
             print(fit.note)
         device, scale, train, rollout, embedded = fit.device, fit.scale, fit.train, fit.rollout, fit.embedded
-    if device == "cuda" and have < train.world_size + rollout.world_size:
-        raise ValueError(f"this run needs {train.world_size + rollout.world_size} GPUs on one node "
-                         f"({train.world_size} train + {rollout.world_size} rollout); this machine has {have}. "
-                         "Placement across several nodes is not built yet.")
     urls = tuple(u.strip().rstrip("/") for u in args.engine_urls.split(",") if u.strip())
     if urls:
         rollout = replace(rollout, num_engines=len(urls))
+    nodes = None
+    if multi_node:
+        # on CPU the trainer keeps node 0 and the engines take the others (the cross-host path); on
+        # GPUs the profile's placement fills the nodes in order
+        nodes = plan_nodes(train, rollout, num_nodes=num_nodes, by_role=device == "cpu",
+                           gpus_per_node=profile.gpus_per_node)
+    elif device == "cuda" and have < train.world_size + rollout.world_size:
+        raise ValueError(f"this run needs {train.world_size + rollout.world_size} GPUs on one node "
+                         f"({train.world_size} train + {rollout.world_size} rollout); this machine has {have}"
+                         + (f"; {args.model}'s profile spans {profile.num_nodes} nodes: give --head-ip (and "
+                            "--node-rank on each node) to run it on them" if profile.num_nodes > 1 else ""))
+    cluster = (ClusterSpec(num_nodes=num_nodes, node_rank=args.node_rank, head_ip=args.head_ip, port=env.ray_port,
+                           timeout_s=env.node_timeout_s, gpus=device == "cuda") if multi_node else None)
     log_dir = env.log_dir or Path("logs") / f"{args.model}_{mode}_{time.strftime('%Y%m%d-%H%M%S')}"
     return RunConfig(model=args.model, scale=scale, mode=mode, device=device, train=train, rollout=rollout,
-                     num_steps=args.num_rollout, env=env, log_dir=Path(log_dir), transport=args.transport,
+                     num_steps=args.num_rollout, env=env,
+                     # every node writes its processes' logs under the head's directory, by absolute path
+                     log_dir=Path(log_dir).absolute() if multi_node else Path(log_dir), transport=args.transport,
                      prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
                      embedded_default=embedded, engine_urls=urls, dtype=args.dtype,
-                     hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic)
+                     hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic, nodes=nodes, cluster=cluster)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -108,8 +137,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"weightsync run: {exc}", file=sys.stderr)
         return 2
-    if cfg is None:
-        return 0
+    if cfg.cluster is not None and cfg.cluster.node_rank > 0:
+        return _worker(cfg)
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     try:
         hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train,
@@ -123,10 +152,50 @@ def main(args: argparse.Namespace) -> int:
           f"{'SYNTHETIC (seeded random-init, not a trained model)' if weights == 'synthetic' else weights}; "
           f"logs {cfg.log_dir}", flush=True)
     try:
-        summary = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir).run()
+        if cfg.cluster is None:
+            summary = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir).run()
+        else:
+            summary = _head(cfg, hf_dir.absolute(), torch_dist_dir.absolute())
     except (RunError, EngineError, TrainerError) as exc:
         # The message says what failed (a trainer rank's traceback is in it); the launcher's own
         # stack adds nothing.
         print(f"weightsync run: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:  # the cluster's errors say what to check
+        from weightsync.launch.cluster import ClusterError
+
+        if not isinstance(exc, ClusterError):
+            raise
+        print(f"weightsync run: {exc}", file=sys.stderr)
+        return 1
     return 0 if summary["validation_passed"] else 1
+
+
+def _head(cfg: RunConfig, hf_dir: Path, torch_dist_dir: Path) -> dict:
+    """Node rank 0 of a multi-node run: the cluster, the placement on it, the run."""
+    from weightsync.launch.cluster import HeadCluster
+    from weightsync.launch.placement_ray import RayPlacement
+    from weightsync.launch.session import RunSession
+
+    assert cfg.cluster is not None
+    assert cfg.nodes is not None
+    plan = cfg.nodes.nodes_of()
+    print("placement: " + "; ".join(f"node {n}: {', '.join(what) or 'nothing'}" for n, what in plan.items()),
+          flush=True)
+    with HeadCluster(cfg.cluster, log_dir=cfg.log_dir) as cluster:
+        placement = RayPlacement(cluster, cfg.nodes, cfg.log_dir, gpus=cfg.device == "cuda")
+        return RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir, placement=placement).run()
+
+
+def _worker(cfg: RunConfig) -> int:
+    """Node rank >= 1 of a multi-node run: join the head, host what it places here, leave at the end."""
+    from weightsync.launch.cluster import ClusterError, run_worker
+
+    assert cfg.cluster is not None
+    assert cfg.nodes is not None
+    here = cfg.nodes.nodes_of()[cfg.cluster.node_rank]
+    try:
+        return run_worker(cfg.cluster, runs_here=", ".join(here) or "nothing (the profile places no rank here)")
+    except ClusterError as exc:
+        print(f"weightsync run: {exc}", file=sys.stderr)
+        return 1

@@ -2,8 +2,9 @@
 
 ``RunConfig`` holds everything a ``run`` needs; :func:`env_settings` reads the reference
 system's variables (``CKPT_SAVE_DIR``, ``SKIP_VALIDATION``, ``BUCKET_SIZE_GB``,
-``MILES_LOG_DIR``) and the transport ones (``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``) and
-nothing below this module reads the environment.
+``MILES_LOG_DIR``), the transport ones (``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``) and the
+multi-node ones (``WEIGHTSYNC_NODE_TIMEOUT_S``, ``WEIGHTSYNC_RAY_PORT``), and nothing below this
+module reads the environment.
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from weightsync.models.fit import NodePlan, plan_nodes
 from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.plan.broadcast import DEFAULT_BUCKET_GB, bucket_bytes_from_gb
 from weightsync.plan.records import Mode
 
 DEFAULT_CKPT_DIR = "/root/multinode"
 """The reference system's default checkpoint directory."""
+DEFAULT_NODE_TIMEOUT_S = 300.0
+"""How long the head waits for every node of a multi-node run to join (and a worker for the head)."""
+DEFAULT_RAY_PORT = 6379
+"""The port of the Ray head's GCS (Ray's own default)."""
 
 
 class RunMode(StrEnum):
@@ -62,6 +68,23 @@ class EnvSettings:
     """``MILES_LOG_DIR``: logs, ``results.json`` and plots."""
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
+    node_timeout_s: float = DEFAULT_NODE_TIMEOUT_S
+    """``WEIGHTSYNC_NODE_TIMEOUT_S``: the deadline for the nodes of a multi-node run to join."""
+    ray_port: int = DEFAULT_RAY_PORT
+    """``WEIGHTSYNC_RAY_PORT``: the Ray head's port (open it between the nodes)."""
+
+
+def _positive(env: Mapping[str, str], name: str, default: float, kind: type) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {raw!r}")
+    return value
 
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
@@ -83,7 +106,41 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         log_dir=Path(log_dir) if log_dir else None,
         mooncake_protocol=env.get("MOONCAKE_PROTOCOL", "tcp").strip() or "tcp",
         mooncake_device=env.get("MOONCAKE_DEVICE", "").strip(),
+        node_timeout_s=float(_positive(env, "WEIGHTSYNC_NODE_TIMEOUT_S", DEFAULT_NODE_TIMEOUT_S, float)),
+        ray_port=int(_positive(env, "WEIGHTSYNC_RAY_PORT", DEFAULT_RAY_PORT, int)),
     )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """This node's part in a multi-node run (``--node-rank`` / ``--head-ip``)."""
+
+    num_nodes: int
+    """Nodes the run spans (the profile's)."""
+    node_rank: int
+    """0: the head (starts Ray, waits for the others, runs the job); 1..: a worker (joins, stays)."""
+    head_ip: str
+    """The head's address as the other nodes reach it."""
+    port: int = DEFAULT_RAY_PORT
+    """The Ray head's GCS port."""
+    timeout_s: float = DEFAULT_NODE_TIMEOUT_S
+    """How long the head waits for the nodes (a worker: for the head)."""
+    gpus: bool = False
+    """Ranks hold GPUs (bundles ask Ray for them)."""
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 2:
+            raise ValueError(f"a multi-node run spans at least 2 nodes, got {self.num_nodes}")
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"--node-rank {self.node_rank}: this run spans {self.num_nodes} nodes, so node ranks are "
+                             f"0 (the head) .. {self.num_nodes - 1}")
+        if not self.head_ip:
+            raise ValueError(f"node rank {self.node_rank} needs --head-ip: the address of node rank 0 (the head)")
+
+    @property
+    def address(self) -> str:
+        """``head_ip:port``, what ``ray start --address`` takes."""
+        return f"{self.head_ip}:{self.port}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,6 +177,10 @@ class RunConfig:
     """``--hf-checkpoint``: the checkpoint to run (else the one ``prepare`` recorded)."""
     synthetic: bool = False
     """``--synthetic``: synthetic weights where no checkpoint is found beyond the tiny scale."""
+    nodes: NodePlan | None = None
+    """Where each trainer and engine rank runs; None: every rank on this host."""
+    cluster: ClusterSpec | None = None
+    """This node's part in a multi-node run (None: one node)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,6 +193,14 @@ class RunConfig:
             raise ValueError(f"unknown transport {self.transport!r}: use auto, shm, mooncake or cuda_ipc")
         if self.engine_urls and len(self.engine_urls) != self.rollout.num_engines:
             raise ValueError(f"{len(self.engine_urls)} engine URL(s) for {self.rollout.num_engines} engine(s)")
+        if self.engine_urls and self.cluster is not None:
+            raise ValueError("--engine-urls updates engines that are already serving; a multi-node run (--head-ip) "
+                             "starts its own: give one or the other")
+
+    @property
+    def node_plan(self) -> NodePlan:
+        """:attr:`nodes`, or every rank on this host."""
+        return self.nodes if self.nodes is not None else plan_nodes(self.train, self.rollout)
 
     @property
     def modes(self) -> tuple[Mode, ...]:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.launch.config import RunConfig
-from weightsync.launch.procs import LocalProcs, serve_argv
+from weightsync.launch.placement import EngineEndpoint, LocalPlacement, Placement
+from weightsync.launch.procs import serve_argv
 from weightsync.launch.report import plot_phases, step_table, summary, write_results
 from weightsync.launch.trainer_worker import Cmd, WorkerConfig
 from weightsync.launch.validate import (
@@ -33,11 +34,9 @@ from weightsync.launch.validate import (
 )
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
-from weightsync.models.parallel import Device
 from weightsync.models.resolve import model_spec
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
-from weightsync.proc import free_port
 from weightsync.sync.engine_client import EngineError
 from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, dest_rank_from_info
 from weightsync.transport import TransportConfig
@@ -62,13 +61,15 @@ class RunError(RuntimeError):
 class RunSession:
     """One run (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, *, hf_dir: Path, torch_dist_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, *, hf_dir: Path, torch_dist_dir: Path, placement: Placement | None = None
+                 ) -> None:
+        """``placement``: where the processes start (default: all on this host, :class:`LocalPlacement`)."""
         self.cfg = cfg
         # The checkpoint's own architecture and shapes (a synthetic one's config.json is the registry's).
         self.spec = model_spec(cfg.model, cfg.scale, checkpoint=hf_dir, dtype=cfg.dtype)
         self.hf_dir = hf_dir
         self.torch_dist_dir = torch_dist_dir
-        self.procs = LocalProcs(cfg.log_dir)
+        self.procs = placement if placement is not None else LocalPlacement(cfg.log_dir, cfg.node_plan, host=cfg.host)
         self.inputs = build_inputs(self.spec, cfg.train, cfg.rollout, trainer_layout=trainer_layout,
                                    engine_layout=engine_layout)
         self.steps: list[dict[str, Any]] = []
@@ -113,27 +114,25 @@ class RunSession:
 
     def _transport(self) -> TransportConfig:
         """``--transport`` resolved by the written policy over this run's placement: every trainer
-        and engine rank is a process of its own on this host."""
+        and engine rank is a process of its own, on the node the placement puts it on."""
         cfg = self.cfg
-        t, r = cfg.train.world_size, cfg.rollout.world_size
-        trainers, engines = [Device(0, i) for i in range(t)], [Device(0, t + i) for i in range(r)]
-        return TransportConfig.resolve(cfg.transport, [(a, b) for a in trainers for b in engines],
-                                       on_gpu=cfg.device == "cuda", mooncake_protocol=cfg.env.mooncake_protocol,
+        return TransportConfig.resolve(cfg.transport, self.procs.nodes.pairs(), on_gpu=cfg.device == "cuda",
+                                       mooncake_protocol=cfg.env.mooncake_protocol,
                                        mooncake_device=cfg.env.mooncake_device)
 
     def start(self) -> None:
         cfg = self.cfg
         r = cfg.rollout
-        ports = [free_port(cfg.host) for _ in range(r.num_engines)]
-        argvs = [
-            serve_argv(model=cfg.model, scale=cfg.scale, tp=r.tp, ep=r.ep, dp=r.dp, device=cfg.device, port=p,
-                       checkpoint=None if cfg.env.skip_validation else self.hf_dir, transport=self._transport(),
-                       host=cfg.host, moe_dense_tp=r.moe_dense_tp, dp_lm_head=r.dp_lm_head,
-                       # dummy weights of the checkpoint's shapes when the equality check is skipped
-                       extra=[*COMPUTE_DTYPE_ARGS, "--dtype", cfg.dtype,
-                              *(["--checkpoint", str(self.hf_dir)] if cfg.env.skip_validation else [])])
-            for p in ports
-        ]
+        transport = self._transport()
+
+        def argv(ep: EngineEndpoint) -> list[str]:
+            return serve_argv(model=cfg.model, scale=cfg.scale, tp=r.tp, ep=r.ep, dp=r.dp, device=cfg.device,
+                              port=ep.port, checkpoint=None if cfg.env.skip_validation else self.hf_dir,
+                              transport=transport, host=ep.host, moe_dense_tp=r.moe_dense_tp, dp_lm_head=r.dp_lm_head,
+                              # dummy weights of the checkpoint's shapes when the equality check is skipped
+                              extra=[*COMPUTE_DTYPE_ARGS, "--dtype", cfg.dtype,
+                                     *(["--checkpoint", str(self.hf_dir)] if cfg.env.skip_validation else [])])
+
         if cfg.engine_urls:
             print(f"using {r.num_engines} running engine(s); starting {cfg.train.world_size} trainer rank(s) ...",
                   flush=True)
@@ -141,8 +140,9 @@ class RunSession:
             print(f"starting {r.num_engines} engine(s) of {r.tp} rank(s) and {cfg.train.world_size} trainer rank(s) "
                   "...", flush=True)
         wcfg = WorkerConfig(model=cfg.model, scale=cfg.scale, spec=self.spec, train=cfg.train, rollout=cfg.rollout,
-                            ckpt_dir=str(self.torch_dist_dir), master_addr=cfg.host, master_port=free_port(cfg.host),
-                            device=cfg.device, bucket_bytes=cfg.bucket_bytes, transport=self._transport(),
+                            ckpt_dir=str(self.torch_dist_dir), master_addr=self.procs.trainer_host(0),
+                            master_port=self.procs.trainer_port(0), device=cfg.device, bucket_bytes=cfg.bucket_bytes,
+                            transport=transport,
                             seed=cfg.seed)
         if cfg.engine_urls:
             self.procs.attach_engines(cfg.engine_urls)
@@ -150,7 +150,7 @@ class RunSession:
             self.procs.spawn_trainers(wcfg)
         else:
             self.procs.spawn_trainers(wcfg)  # they load their shards while the engines start
-            self.procs.start_engines(argvs, [f"http://{cfg.host}:{p}" for p in ports], timeout_s=300)
+            self.procs.start_engines(argv, timeout_s=300)
             self.check_engines()
         self.procs.wait_trainers(timeout_s=300)
         if Mode.P2P in cfg.modes:
@@ -262,14 +262,21 @@ class RunSession:
         sources = sorted({b.src_rank for b in plan.buckets})
         world = 1 + self.cfg.rollout.world_size
         backend = "nccl" if self.cfg.device == "cuda" else "gloo"
-        group = {"master_address": self.cfg.host, "world_size": world, "backend": backend,
-                 "ports": {str(s): free_port(self.cfg.host) for s in sources},
+        # each group's rendezvous is hosted by its source rank, on that rank's host
+        hosts = {s: self.procs.trainer_host(s) for s in sources}
+        if len(set(hosts.values())) > 1:
+            raise RunError(f"broadcast: the stage sources {sources} run on several hosts "
+                           f"{sorted(set(hosts.values()))}; a trainer rank reads one rendezvous address "
+                           "(master_address), so broadcast needs them on one host here: use p2p, or a layout whose "
+                           "pipeline stages' first ranks share a node")
+        group = {"master_address": hosts[sources[0]], "world_size": world, "backend": backend,
+                 "ports": {str(s): self.procs.trainer_port(s) for s in sources},
                  "group_names": {str(s): f"weightsync_src{s}" for s in sources}}
         self._group = group
         fut = self.procs.command_async(Cmd.SETUP_BROADCAST, group)
         tp = self.cfg.rollout.tp
         joins = [
-            self.procs.submit(eng.client.init_weights_update_group, master_address=self.cfg.host,
+            self.procs.submit(eng.client.init_weights_update_group, master_address=hosts[s],
                               master_port=int(group["ports"][str(s)]), rank_offset=1 + e * tp, world_size=world,
                               group_name=group["group_names"][str(s)], backend=backend)
             for s in sources
@@ -448,7 +455,9 @@ class RunSession:
                 "train": asdict(self.cfg.train), "rollout": asdict(self.cfg.rollout),
                 "transport": self._transport().kind.value,
                 "bucket_bytes": self.cfg.bucket_bytes, "embedded_default": self.cfg.embedded_default,
-                "dest_bytes_per_receiver": self._dest_bytes(), "engine_weights": self._engine_weights}
+                "dest_bytes_per_receiver": self._dest_bytes(), "engine_weights": self._engine_weights,
+                "placement": {**self.procs.describe(),
+                              "engine_sessions": [i["session_id"] for _, i in sorted((self._infos or {}).items())]}}
         path = write_results(self.cfg.log_dir, meta, self.steps)
         plot = plot_phases(self.cfg.log_dir, self.steps, f"{self.cfg.model} ({self.cfg.scale}) {self.cfg.mode}")
         print()

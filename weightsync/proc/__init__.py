@@ -31,9 +31,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies, however it dies (Linux
-    ``PR_SET_PDEATHSIG``); exit at once if the parent is already gone.
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send this process ``sig`` (SIGKILL by default) when its parent dies, however
+    it dies (Linux ``PR_SET_PDEATHSIG``); exit at once if the parent is already gone. A process that
+    must stop its own children first asks for SIGTERM and handles it.
 
     A killed launcher must not leave ranks holding GPU memory or ports. The orphan check closes
     the window between the parent's death and the ``prctl`` call (the signal is only armed for a
@@ -44,7 +45,7 @@ def die_with_parent() -> None:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return
-    if prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+    if prctl(PR_SET_PDEATHSIG, sig) != 0:
         errno = ctypes.get_errno()
         log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this process may outlive its parent", errno)
     # Already reparented (to init, or to a container's subreaper): the parent is gone.

@@ -1,0 +1,309 @@
+"""Where the processes of a run start, how they find each other, and how they are stopped.
+
+A :class:`Placement` starts the run's rollout engines (``weightsync serve`` processes, reached over
+HTTP) and trainer ranks (driven with :mod:`~weightsync.launch.trainer_worker`'s commands), tells
+the run loop the addresses peers reach them at, and stops everything it started. The run loop
+(:class:`~weightsync.launch.session.RunSession`) talks to it alone and does not know which one it
+got:
+
+* :class:`LocalPlacement` -- every process on this host, started here (the single-node runs; no
+  Ray needed);
+* :class:`~weightsync.launch.placement_ray.RayPlacement` -- one Ray placement-group bundle per
+  trainer rank and per engine, pinned to the node the run's
+  :class:`~weightsync.models.fit.NodePlan` gives it; a small Ray actor on that node starts the
+  same processes there.
+
+Addresses: an engine binds its HTTP (and publishes its Mooncake session) on its host's real
+address when a peer -- the launcher or a trainer rank -- is on another host, and on loopback
+otherwise (:attr:`EngineEndpoint.remote`); rendezvous ports are picked on the host that binds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from weightsync.launch.procs import AttachedEngine, EngineProc, TrainerError
+from weightsync.launch.trainer_worker import Cmd, WorkerConfig, worker_main
+from weightsync.models.fit import NodePlan
+from weightsync.proc import free_port
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineEndpoint:
+    """Where one engine serves: its node, the address it binds and publishes, its HTTP port."""
+
+    index: int
+    node: int
+    host: str
+    """The address the engine binds its HTTP on and publishes for Mooncake peers."""
+    port: int
+    remote: bool
+    """Peers on other hosts reach it, so it binds its host's address instead of loopback. Its
+    control endpoints are then open to that network: the place where an access token belongs."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class EngineHandle(Protocol):
+    """One engine as the run loop sees it (:class:`~weightsync.launch.procs.EngineProc` fits)."""
+
+    index: int
+    url: str
+    client: Any
+
+    def alive(self) -> bool: ...
+
+    def tail(self, n: int = 30) -> str: ...
+
+    def request_stop(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class RankChannel(ABC):
+    """The command pipe of one trainer rank: one reply per message, the first one its start-up."""
+
+    @abstractmethod
+    def send(self, msg: tuple[Any, Any]) -> None: ...
+
+    @abstractmethod
+    def poll(self, timeout_s: float) -> bool:
+        """Whether the reply is there (waits up to ``timeout_s``)."""
+
+    @abstractmethod
+    def recv(self) -> tuple[str, Any]:
+        """``("ok", payload)`` or ``("error", traceback text)``."""
+
+    @abstractmethod
+    def dead(self) -> str:
+        """Why the rank cannot answer any more (its exit), or "" while it runs."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Send STOP without waiting (a rank that already exited is fine)."""
+
+    @abstractmethod
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the rank to exit after :meth:`stop`, then end it."""
+
+
+class Placement(ABC):
+    """Starts, reaches and stops the engines and trainer ranks of a run (module docstring)."""
+
+    kind: str = ""
+
+    def __init__(self, log_dir: Path, nodes: NodePlan) -> None:
+        self.log_dir = log_dir
+        self.nodes = nodes
+        self.engines: list[Any] = []
+        self._ranks: list[RankChannel] = []
+        self._pool = ThreadPoolExecutor(max_workers=16)
+
+    # -- addresses ------------------------------------------------------------------------------
+    @abstractmethod
+    def trainer_host(self, rank: int) -> str:
+        """The address peers reach trainer rank ``rank``'s host at (rendezvous it hosts)."""
+
+    @abstractmethod
+    def trainer_port(self, rank: int) -> int:
+        """A TCP port free right now on trainer rank ``rank``'s host (for a rendezvous it hosts)."""
+
+    @abstractmethod
+    def engine_endpoints(self) -> list[EngineEndpoint]:
+        """Where each engine will serve (ports picked on its own host)."""
+
+    # -- engines --------------------------------------------------------------------------------
+    def start_engines(self, argv_for: Callable[[EngineEndpoint], Sequence[str]], *, timeout_s: float) -> None:
+        """Start every engine (``argv_for(endpoint)`` is its command line) and wait until every one
+        is healthy.
+
+        Raises:
+            EngineError: an engine exited or did not become healthy; its log tail is in the message.
+        """
+        from weightsync.sync.engine_client import EngineError
+
+        for ep in self.engine_endpoints():
+            if ep.remote:
+                log.info("engine %d serves on %s (reachable from other hosts: its control endpoints are open to the "
+                         "cluster network)", ep.index, ep.url)
+            self.engines.append(self._start_engine(ep, list(argv_for(ep))))
+        for e in self.engines:
+            try:
+                e.client.wait_healthy(timeout_s=timeout_s, proc_alive=e.alive)
+            except EngineError as exc:
+                raise EngineError(f"{exc}\n--- engine {e.index} log ({self.engine_log(e.index)}) ---\n{e.tail()}"
+                                  ) from None
+
+    @abstractmethod
+    def _start_engine(self, ep: EngineEndpoint, argv: list[str]) -> Any:
+        """Start one engine's process; its handle (an :class:`EngineHandle`)."""
+
+    def engine_log(self, index: int) -> str:
+        """Where engine ``index`` writes its output (on its own node)."""
+        return str(self.log_dir / f"engine{index}.log")
+
+    def attach_engines(self, urls: Sequence[str]) -> None:
+        """Use engines that are already serving (they are left running on close)."""
+        self.engines.extend(AttachedEngine(len(self.engines) + i, u) for i, u in enumerate(urls))
+
+    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` in the launcher's thread pool (a future)."""
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def on_engines(self, fn: Any) -> list[Any]:
+        """Call ``fn(client)`` on every engine concurrently; results in engine order."""
+        return list(self._pool.map(lambda e: fn(e.client), self.engines))
+
+    # -- trainer ranks --------------------------------------------------------------------------
+    def spawn_trainers(self, cfg: WorkerConfig) -> None:
+        """Start every trainer rank (they load their shards in the background)."""
+        self._ranks = [self._spawn_trainer(rank, cfg) for rank in range(cfg.train.world_size)]
+
+    @abstractmethod
+    def _spawn_trainer(self, rank: int, cfg: WorkerConfig) -> RankChannel:
+        """Start trainer rank ``rank``; its channel."""
+
+    def wait_trainers(self, *, timeout_s: float) -> list[Any]:
+        """Wait until every trainer rank has loaded its shards."""
+        return self._collect(timeout_s, "start-up")
+
+    def command(self, cmd: Cmd, arg: Any = None, *, timeout_s: float = 600.0) -> list[Any]:
+        """Send ``cmd`` to every trainer rank; the answers in rank order.
+
+        Raises:
+            TrainerError: any rank failed (every failing rank's traceback is in the message).
+        """
+        for ch in self._ranks:
+            ch.send((cmd, arg))
+        return self._collect(timeout_s, str(cmd))
+
+    def command_async(self, cmd: Cmd, arg: Any = None, *, timeout_s: float = 600.0) -> Any:
+        """:meth:`command` in a background thread (a future), to overlap with engine calls."""
+        return self._pool.submit(self.command, cmd, arg, timeout_s=timeout_s)
+
+    def _collect(self, timeout_s: float, what: str) -> list[Any]:
+        end = time.monotonic() + timeout_s
+        out: list[Any] = [None] * len(self._ranks)
+        errors: list[str] = []
+        for rank, ch in enumerate(self._ranks):
+            while not ch.poll(0.1):
+                why = ch.dead()
+                if why:
+                    raise TrainerError(f"trainer rank {rank} died during {what} ({why})")
+                if time.monotonic() > end:
+                    raise TrainerError(f"trainer rank {rank}: no answer to {what} within {timeout_s:.0f} s")
+            status, payload = ch.recv()
+            if status == "error":
+                errors.append(payload)
+            out[rank] = payload
+        if errors:
+            raise TrainerError("\n".join(errors))
+        return out
+
+    # -- results and teardown -------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Where everything ran, for ``results.json``."""
+        return {"kind": self.kind, "num_nodes": self.nodes.num_nodes,
+                "trainer_hosts": [self.trainer_host(r) for r in range(len(self._ranks))],
+                "engine_urls": [e.url for e in self.engines],
+                "engine_nodes": [self.nodes.engine_node(e.index) for e in self.engines
+                                 if e.index < len(self.nodes.engines)]}
+
+    def close(self) -> None:
+        """Stop the trainer ranks and the engines this run started, all at once (each takes a few
+        seconds to leave its process groups and exit; in turn they took the sum)."""
+        for ch in self._ranks:
+            ch.stop()
+        for e in self.engines:
+            e.request_stop()
+        for ch in self._ranks:
+            ch.join(10.0)
+        for e in self.engines:
+            e.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# -- this host ------------------------------------------------------------------------------------
+
+
+class _PipeChannel(RankChannel):
+    """A trainer rank spawned on this host, driven over a pipe."""
+
+    def __init__(self, rank: int, cfg: WorkerConfig) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker_main, args=(rank, cfg, child), name=f"trainer-rank{rank}", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def send(self, msg: tuple[Any, Any]) -> None:
+        self._conn.send(msg)
+
+    def poll(self, timeout_s: float) -> bool:
+        return self._conn.poll(timeout_s)
+
+    def recv(self) -> tuple[str, Any]:
+        return self._conn.recv()
+
+    def dead(self) -> str:
+        return "" if self.proc.is_alive() else f"exit code {self.proc.exitcode}"
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a rank that already exited
+            self._conn.send((Cmd.STOP, None))
+
+    def join(self, timeout_s: float) -> None:
+        self.proc.join(timeout=timeout_s)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=5)
+
+
+class LocalPlacement(Placement):
+    """Every process of the run on this host: engines are ``weightsync serve`` subprocesses,
+    trainer ranks spawned Python processes; everything binds ``host`` (loopback by default)."""
+
+    kind = "local"
+
+    def __init__(self, log_dir: Path, nodes: NodePlan, *, host: str = LOOPBACK) -> None:
+        if nodes.num_nodes != 1:
+            raise ValueError(f"a local placement runs on one host; this run spans {nodes.num_nodes} nodes")
+        super().__init__(log_dir, nodes)
+        self.host = host
+
+    def trainer_host(self, rank: int) -> str:
+        return self.host
+
+    def trainer_port(self, rank: int) -> int:
+        return free_port(self.host)
+
+    def engine_endpoints(self) -> list[EngineEndpoint]:
+        return [EngineEndpoint(index=e, node=0, host=self.host, port=free_port(self.host), remote=False)
+                for e in range(len(self.nodes.engines))]
+
+    def _start_engine(self, ep: EngineEndpoint, argv: list[str]) -> EngineProc:
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return EngineProc(ep.index, argv, ep.url, Path(self.engine_log(ep.index)), env)
+
+    def _spawn_trainer(self, rank: int, cfg: WorkerConfig) -> RankChannel:
+        return _PipeChannel(rank, cfg)
+
+
+__all__ = ["LOOPBACK", "EngineEndpoint", "EngineHandle", "LocalPlacement", "Placement", "RankChannel", "TrainerError"]

@@ -1,0 +1,149 @@
+"""What runs inside the Ray cluster of a multi-node run for each placement-group bundle: an agent
+that starts a rank's process on its node.
+
+The agent is a plain class; :mod:`~weightsync.launch.placement_ray` turns it into a Ray actor
+(``ray.remote(NodeAgent)``) where it is used, so importing this module needs no Ray.
+
+An agent starts exactly one process of the run on its node, as the single-node placement does on
+its host: an engine (``weightsync serve`` with this node's Python, its output in
+``<log dir>/engine<i>.log`` on this node) or a trainer rank (a spawned process driven over a pipe,
+whose commands the agent relays, its output in ``<log dir>/trainer<r>.log``). The process dies with
+the agent (``PR_SET_PDEATHSIG``), and the agent stops it when told. Collectives of these processes
+(gloo, NCCL) bind the interface of the node's address (``GLOO_SOCKET_IFNAME`` /
+``NCCL_SOCKET_IFNAME``, unless the environment sets them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from weightsync.proc import die_with_parent, free_port
+
+log = logging.getLogger(__name__)
+
+
+def _node_env(ip: str) -> dict[str, str]:
+    """This node's environment for a rank's process: collectives on the interface of ``ip``."""
+    from weightsync.launch.cluster import interface_of
+
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    iface = interface_of(ip)
+    if iface:
+        env.setdefault("GLOO_SOCKET_IFNAME", iface)
+        env.setdefault("NCCL_SOCKET_IFNAME", iface)
+    return env
+
+
+def _trainer_main(rank: int, cfg: Any, conn: Any, log_path: str, env: dict[str, str]) -> None:
+    """Entry of a trainer rank spawned by an agent: its output to ``log_path``, then the rank."""
+    die_with_parent()
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from weightsync.launch.trainer_worker import worker_main
+
+    worker_main(rank, cfg, conn)
+
+
+class NodeAgent:
+    """Starts and stops one rank's process on the node of its bundle (module docstring)."""
+
+    def __init__(self, log_dir: str) -> None:
+        import ray
+
+        self.ip = ray.util.get_node_ip_address()
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._engine: Any = None
+        self._proc: Any = None
+        self._conn: Any = None
+        self._rank = -1
+
+    def address(self) -> str:
+        """This node's address as the cluster knows it."""
+        return str(self.ip)
+
+    def free_port(self) -> int:
+        """A TCP port free right now on this node's address."""
+        return free_port(self.ip)
+
+    # -- an engine ------------------------------------------------------------------------------
+    def start_engine(self, index: int, argv: list[str], url: str) -> str:
+        """Start engine ``index`` (``argv[0]``, the launcher's Python, becomes this node's);
+        returns its log path."""
+        from weightsync.launch.procs import EngineProc
+
+        path = self.log_dir / f"engine{index}.log"
+        self._engine = EngineProc(index, [sys.executable, *argv[1:]], url, path, _node_env(self.ip),
+                                  preexec_fn=die_with_parent)
+        return str(path)
+
+    def engine_alive(self) -> bool:
+        return self._engine is not None and self._engine.alive()
+
+    def engine_tail(self, n: int = 30) -> str:
+        return self._engine.tail(n) if self._engine is not None else ""
+
+    def request_stop_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.request_stop()
+
+    def stop_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.stop()
+
+    # -- a trainer rank -------------------------------------------------------------------------
+    def start_trainer(self, rank: int, cfg: Any) -> tuple[str, Any]:
+        """Spawn trainer rank ``rank`` (its Mooncake address this node's) and wait for its
+        start-up answer."""
+        ctx = mp.get_context("spawn")
+        self._rank = rank
+        self._conn, child = ctx.Pipe()
+        cfg = replace(cfg, transport=replace(cfg.transport, mooncake_hostname=self.ip))
+        path = str(self.log_dir / f"trainer{rank}.log")
+        self._proc = ctx.Process(target=_trainer_main, args=(rank, cfg, child, path, _node_env(self.ip)),
+                                 name=f"trainer-rank{rank}", daemon=True)
+        self._proc.start()
+        child.close()
+        return self._reply("start-up")
+
+    def request(self, msg: tuple[Any, Any]) -> tuple[str, Any]:
+        """Relay one command to the rank; its answer."""
+        try:
+            self._conn.send(msg)
+        except (OSError, ValueError) as exc:
+            return "error", f"trainer rank {self._rank} on {self.ip}: cannot send {msg[0]}: {exc}"
+        return self._reply(str(msg[0]))
+
+    def _reply(self, what: str) -> tuple[str, Any]:
+        while not self._conn.poll(0.1):
+            if not self._proc.is_alive():
+                return "error", (f"trainer rank {self._rank} on {self.ip} died during {what} (exit code "
+                                 f"{self._proc.exitcode}; its output: {self.log_dir}/trainer{self._rank}.log there)")
+        return self._conn.recv()
+
+    def stop_trainer(self, timeout_s: float) -> None:
+        """STOP the rank and wait up to ``timeout_s`` for it to exit, then end it."""
+        from weightsync.launch.trainer_worker import Cmd
+
+        if self._proc is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send((Cmd.STOP, None))
+        self._proc.join(timeout=timeout_s)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout=5)
+
+
+__all__ = ["NodeAgent"]
