@@ -182,9 +182,14 @@ def _head(cfg: RunConfig, hf_dir: Path, torch_dist_dir: Path) -> dict:
     plan = cfg.nodes.nodes_of()
     print("placement: " + "; ".join(f"node {n}: {', '.join(what) or 'nothing'}" for n, what in plan.items()),
           flush=True)
-    with HeadCluster(cfg.cluster, log_dir=cfg.log_dir) as cluster:
+    with HeadCluster(cfg.cluster, log_dir=cfg.log_dir, run=_job(cfg)) as cluster, cluster.guard():
         placement = RayPlacement(cluster, cfg.nodes, cfg.log_dir, gpus=cfg.device == "cuda")
         return RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir, placement=placement).run()
+
+
+def _job(cfg: RunConfig) -> dict[str, str]:
+    """What every node of a multi-node run must agree on."""
+    return {"model": cfg.model, "scale": cfg.scale, "device": cfg.device}
 
 
 def _worker(cfg: RunConfig) -> int:
@@ -195,7 +200,8 @@ def _worker(cfg: RunConfig) -> int:
     assert cfg.nodes is not None
     here = cfg.nodes.nodes_of()[cfg.cluster.node_rank]
     try:
-        return run_worker(cfg.cluster, runs_here=", ".join(here) or "nothing (the profile places no rank here)")
+        return run_worker(cfg.cluster, run=_job(cfg),
+                          runs_here=", ".join(here) or "nothing (the profile places no rank here)")
     except ClusterError as exc:
         print(f"weightsync run: {exc}", file=sys.stderr)
         return 1

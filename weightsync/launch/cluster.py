@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -261,10 +261,10 @@ class JobState:
     """The head's record of the job, which every worker polls (a named actor on node 0; a plain
     class until ``ray.remote`` makes it one)."""
 
-    def __init__(self, log_dir: str) -> None:
-        self._state = {"state": "running", "log_dir": log_dir, "outcome": ""}
+    def __init__(self, log_dir: str, run: dict[str, str]) -> None:
+        self._state: dict[str, Any] = {"state": "running", "log_dir": log_dir, "outcome": "", "run": dict(run)}
 
-    def get(self) -> dict[str, str]:
+    def get(self) -> dict[str, Any]:
         return dict(self._state)
 
     def finish(self, outcome: str) -> None:
@@ -279,12 +279,15 @@ class HeadCluster:
     node and stops this node's Ray processes, also on errors.
     """
 
-    def __init__(self, spec: ClusterSpec, *, log_dir: Path, say: Callable[[str], None] = print) -> None:
+    def __init__(self, spec: ClusterSpec, *, log_dir: Path, run: dict[str, str] | None = None,
+                 say: Callable[[str], None] = print) -> None:
+        """``run``: what the job is (``{"model": ...}``); a worker started for another refuses to stay."""
         if spec.node_rank != 0:
             raise ValueError(f"HeadCluster runs on node rank 0, not {spec.node_rank}")
         self.spec = spec
         self.log_dir = log_dir
         self.say = say
+        self.run = dict(run or {})
         self.ip = resolve_ip(spec.head_ip)
         self.nodes: dict[int, str] = {}
         self._node: RayNode | None = None
@@ -320,9 +323,22 @@ class HeadCluster:
         import ray
 
         self._job = ray.remote(JobState).options(name=JOB_ACTOR, num_cpus=0,
-                                                 resources={node_resource(0): 1}).remote(str(self.log_dir))
+                                                 resources={node_resource(0): 1}).remote(str(self.log_dir), self.run)
         ray.get(self._job.get.remote(), timeout=60)
         self.wait_for_nodes()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Ray's errors inside the block (a node or an agent lost mid-run) as a :class:`ClusterError`
+        saying where to look."""
+        from ray.exceptions import RayError
+
+        try:
+            yield
+        except RayError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ClusterError(f"the run lost part of its cluster ({type(exc).__name__}: {first[:300]}); each "
+                               f"node's console and {self.log_dir}/ray_node<k>/ on that node say why") from None
 
     def wait_for_nodes(self) -> None:
         """Wait until every node rank has joined (once each), up to the spec's deadline.
@@ -391,11 +407,13 @@ class HeadCluster:
 # -- a worker ---------------------------------------------------------------------------------------
 
 
-def run_worker(spec: ClusterSpec, *, runs_here: str = "", say: Callable[[str], None] = print) -> int:
+def run_worker(spec: ClusterSpec, *, run: dict[str, str] | None = None, runs_here: str = "",
+               say: Callable[[str], None] = print) -> int:
     """Node rank >= 1: join the head, stay until the job ends, leave.
 
     Args:
         spec: this node's part.
+        run: what this node was started for (``{"model": ...}``): the head's job must be the same.
         runs_here: what the run places on this node (for the first message).
         say: where progress lines go.
 
@@ -404,7 +422,8 @@ def run_worker(spec: ClusterSpec, *, runs_here: str = "", say: Callable[[str], N
         it failed there or the head went away first.
 
     Raises:
-        ClusterError: no head within the deadline, or this node's Ray failed to start.
+        ClusterError: no head within the deadline, this node's Ray failed to start, or the head
+            runs another job than ``run``.
     """
     head = resolve_ip(spec.head_ip)
     ip = address_toward(head, spec.port)
@@ -422,7 +441,7 @@ def run_worker(spec: ClusterSpec, *, runs_here: str = "", say: Callable[[str], N
     try:
         node.wait_up(lambda: node.logs_dir() is not None and (node.logs_dir() / "raylet.out").exists())
         _connect(spec, ip, node.temp_dir)
-        state = _wait_for_job_end(spec, head, node)
+        state = _wait_for_job_end(spec, head, node, dict(run or {}))
     except _HeadLost as exc:
         say(f"node {spec.node_rank}: {exc}; stopping this node's Ray processes")
         node.stop(graceful=False)
@@ -444,8 +463,9 @@ class _HeadLost(Exception):
     """The head went away before the job ended."""
 
 
-def _wait_for_job_end(spec: ClusterSpec, head: str, node: RayNode) -> dict[str, Any]:
-    """Poll the head's job actor until the job ends; raise :class:`_HeadLost` when the head goes."""
+def _wait_for_job_end(spec: ClusterSpec, head: str, node: RayNode, run: dict[str, str]) -> dict[str, Any]:
+    """Poll the head's job actor until the job ends; raise :class:`_HeadLost` when the head goes,
+    :class:`ClusterError` when it runs another job than ``run``."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -472,6 +492,12 @@ def _wait_for_job_end(spec: ClusterSpec, head: str, node: RayNode) -> dict[str, 
                 continue
             except RayActorError:
                 raise _HeadLost("the head's run exited without ending the job (its driver is gone)") from None
+            theirs = state.get("run", {})
+            differ = {k: (theirs.get(k), v) for k, v in run.items() if theirs.get(k) != v}
+            if differ:
+                raise ClusterError(f"node {spec.node_rank}: the head runs " + ", ".join(
+                    f"{k} {a!r}" for k, (a, _) in differ.items()) + "; this node was started for " + ", ".join(
+                    f"{k} {b!r}" for k, (_, b) in differ.items()) + ": start every node with the same command")
             if state.get("state") == "done":
                 return state
         time.sleep(1.0)

@@ -42,11 +42,11 @@ class _RayEngine:
 
     def _call(self, method: str, *args: Any, default: Any = None) -> Any:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import RayError
 
         try:
             return ray.get(getattr(self.agent, method).remote(*args), timeout=AGENT_CALL_TIMEOUT_S)
-        except (RayActorError, GetTimeoutError) as exc:
+        except RayError as exc:  # the agent or its node is gone, or it does not answer
             log.warning("engine %d: its agent on node %d did not answer %s: %s", self.index, self.node, method, exc)
             return default
 
@@ -85,12 +85,12 @@ class _RayChannel(RankChannel):
 
     def recv(self) -> tuple[str, Any]:
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayError
 
         try:
             return ray.get(self._ref)
-        except RayActorError as exc:
-            return "error", f"trainer rank {self.rank} on node {self.node}: its agent died: {exc}"
+        except RayError as exc:  # the agent or its node is gone
+            return "error", f"trainer rank {self.rank} on node {self.node}: its agent is gone: {exc}"
 
     def dead(self) -> str:
         return ""  # a dead agent or rank answers its pending call with an error (recv)
