@@ -119,15 +119,16 @@ def run_command(cmd: Sequence[str], *, ckpt_dir: Path, log_dir: Path, env: Mappi
 
 
 @contextmanager
-def serve_engine(argv: Sequence[str], log: Path) -> Iterator[str]:
-    """``weightsync serve ARGV`` (without ``--port``) on a free port until the block ends, its
-    output in ``log``; yields its URL once it is healthy."""
+def serve_engine(argv: Sequence[str], log: Path, port: int | None = None) -> Iterator[str]:
+    """``weightsync serve ARGV`` (without ``--port``) on ``port`` (default: a free one) until the
+    block ends, its output appended to ``log``; yields its URL once it is healthy."""
     from weightsync.sync.engine_client import EngineClient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    with open(log, "w") as out:
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+    with open(log, "a") as out:
         proc = subprocess.Popen([PYTHON, "-m", "weightsync.cli", "serve", *argv, "--port", str(port)], cwd=REPO_ROOT,
                                 stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"

@@ -27,7 +27,6 @@ LEVELS: dict[str, int] = {
     "engine": 5,  # the built-in inference engine
     "sources": 5,  # weight sources: synthetic trainer, Megatron adapter, prepare
     "launch": 6,  # placement, the run loop, the benchmark
-    "api": 7,  # the public facade
     "cli": 8,  # commands: argparse + main
 }
 """Package -> level. Packages of one level must not import each other (``engine`` / ``sources``)."""

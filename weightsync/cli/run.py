@@ -66,6 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-urls", default="",
                    help="comma-separated URLs of engines already serving this run's model and layout (started "
                         "with `weightsync serve`): update them instead of starting engines; one URL per engine")
+    p.add_argument("--placement", choices=("split", "colocated"), default=None,
+                   help="split: trainer and engine ranks on GPUs of their own; colocated: trainer rank i and engine "
+                        "rank i share GPU i (p2p over CUDA IPC within the GPU, broadcast through "
+                        "/update_weights_from_tensor); default: colocated where the GPUs do not fit both, else split")
+    p.add_argument("--trainer", choices=("synthetic", "megatron"), default=None,
+                   help="megatron: megatron-core GRPO on the engines' rollouts (default on cuda); synthetic: a "
+                        "deterministic update of every weight that learns nothing (default on cpu)")
+    p.add_argument("--group-size", type=int, default=4, help="GRPO samples per prompt (megatron trainer)")
+    p.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (megatron trainer)")
 
 
 def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
@@ -107,11 +116,23 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
         # GPUs the profile's placement fills the nodes in order
         nodes = plan_nodes(train, rollout, num_nodes=num_nodes, by_role=device == "cpu",
                            gpus_per_node=profile.gpus_per_node)
-    elif device == "cuda" and have < train.world_size + rollout.world_size:
+    placement = args.placement or ("colocated" if device == "cuda" and not multi_node
+                                   and have < train.world_size + rollout.world_size else "split")
+    if placement == "colocated" and multi_node:
+        raise ValueError("--placement colocated runs on one node; a multi-node run places its ranks by the profile")
+    if placement == "colocated" and device == "cuda" and have < max(train.world_size, rollout.world_size):
+        raise ValueError(f"colocated, this run needs {max(train.world_size, rollout.world_size)} GPUs "
+                         f"(trainer rank i and engine rank i share GPU i); this machine has {have}")
+    if placement == "colocated" and device == "cpu":
+        print("placement colocated on CPU: trainer and engine ranks share this host's memory; p2p writes through shm "
+              "(as split does: a CPU has no device to share), broadcast hands full tensors over in shared memory "
+              "through /update_weights_from_tensor (the colocated path GPUs take)")
+    if not multi_node and placement == "split" and device == "cuda" and have < train.world_size + rollout.world_size:
         raise ValueError(f"this run needs {train.world_size + rollout.world_size} GPUs on one node "
                          f"({train.world_size} train + {rollout.world_size} rollout); this machine has {have}"
                          + (f"; {args.model}'s profile spans {profile.num_nodes} nodes: give --head-ip (and "
-                            "--node-rank on each node) to run it on them" if profile.num_nodes > 1 else ""))
+                            "--node-rank on each node) to run it on them" if profile.num_nodes > 1 else "")
+                         + "; --placement colocated shares the GPUs")
     cluster = (ClusterSpec(num_nodes=num_nodes, node_rank=args.node_rank, head_ip=args.head_ip, port=env.ray_port,
                            timeout_s=env.node_timeout_s, gpus=device == "cuda") if multi_node else None)
     log_dir = env.log_dir or Path("logs") / f"{args.model}_{mode}_{time.strftime('%Y%m%d-%H%M%S')}"
@@ -121,12 +142,15 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
                      log_dir=Path(log_dir).absolute() if multi_node else Path(log_dir), transport=args.transport,
                      prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
                      embedded_default=embedded, engine_urls=urls, dtype=args.dtype,
-                     hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic, nodes=nodes, cluster=cluster)
+                     hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic, nodes=nodes, cluster=cluster,
+                     placement=placement, trainer=args.trainer or ("megatron" if device == "cuda" else "synthetic"),
+                     group_size=args.group_size, lr=args.lr)
 
 
 def main(args: argparse.Namespace) -> int:
     from weightsync.launch.procs import TrainerError
     from weightsync.launch.session import RunError, RunSession
+    from weightsync.launch.trainer_worker import SYNTHETIC_LABEL
     from weightsync.sources.prepare import ensure_prepared, weights_label
     from weightsync.sync.engine_client import EngineError
 
@@ -148,6 +172,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"weightsync run: prepare: {exc}", file=sys.stderr)
         return 2
     weights = weights_label(hf_dir)
+    print(f"trainer: {SYNTHETIC_LABEL if cfg.trainer == 'synthetic' else 'megatron-core GRPO'}; placement "
+          f"{cfg.placement}", flush=True)
     print(f"model {cfg.model} ({cfg.scale}), mode {cfg.mode}, {cfg.device}; checkpoint {hf_dir}; weights "
           f"{'SYNTHETIC (seeded random-init, not a trained model)' if weights == 'synthetic' else weights}; "
           f"logs {cfg.log_dir}", flush=True)

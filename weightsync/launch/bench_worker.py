@@ -9,13 +9,15 @@ rank numbers, which the broadcast sender's gather relies on) and go through the 
                           and the values a complete update must leave in them
     exchange     engines publish (descriptor, parameter addresses); trainers plan their ops
     local_copy   trainer 0 only: a plain copy of the update's bytes inside one process
-    p2p          trainers build their P2PSender; then warm-up + ``repeats`` pairs of runs:
+    p2p          trainers build their WeightUpdater (the library's facade, from the published
+                 tables: no engine to drive); then warm-up + ``repeats`` pairs of runs:
                  memcpy  the link's own rate: each trainer writes the bytes it sends in p2p as
                          one run per destination, on the sender's transport, into the same arenas
-                 p2p     P2PSender.send()
+                 p2p     WeightUpdater.write("p2p")
                  and the bit-exact check of the last p2p run
-    broadcast    warm-up + ``repeats`` runs (bucket by bucket: stage sources gather and
-                 broadcast, engine ranks keep their pieces); the bit-exact check
+    broadcast    warm-up + ``repeats`` runs (WeightUpdater.write("broadcast"), bucket by bucket:
+                 stage sources gather and broadcast, engine ranks keep their pieces); the
+                 bit-exact check
 
 Before every run the engines zero their parameters and poison every byte a run must write.
 Each timed window runs from a barrier of every process to the next one (GPU work synchronized
@@ -221,7 +223,10 @@ class BenchRank:
         self.expected: ParamStore | None = None
         self.receiver: Any = None
         self.sender: Any = None
+        self.updater: Any = None
         self.ops: list[Any] = []
+        # the trainer ranks' process group of their updaters (created by every process)
+        self.trainer_group = dist.new_group(ranks=list(range(cfg.train.world_size)), backend="gloo")
         self.out: dict[str, Any] = {
             "rank": rank,
             "role": "trainer" if self.is_trainer else "engine",
@@ -308,22 +313,25 @@ class BenchRank:
         return dict(out)
 
     def build_sender(self, infos: dict[int, dict[str, Any]]) -> None:
-        from weightsync.sync.p2p_sender import P2PSender, dest_rank_from_info
+        """The trainer's :class:`~weightsync.sync.updater.WeightUpdater` over the published tables."""
+        self.updater = self._updater("p2p", published=infos)
+        self.sender = self.updater.p2p_sender
+
+    def _updater(self, mode: str, *, published: dict[int, dict[str, Any]] | None = None,
+                 broadcast_group: dict[str, Any] | None = None) -> Any:
+        """A trainer's updater for ``mode`` (collective over the trainer ranks); its set-up time
+        goes into ``sender_s`` / ``broadcast_setup_s``."""
+        from weightsync.sync.updater import UpdaterConfig, WeightUpdater
 
         t0 = time.perf_counter()
-        needed = sorted({op.dst_rank for op in self.ops})
-        dests = {r: dest_rank_from_info(r, infos[r], self.inputs.dest_layout(r)) for r in needed}
-        blocks = {g.name: g.block for g in self.inputs.globals.values() if g.block is not None and g.quant_of is None}
-        self.sender = P2PSender(
-            self.ops,
-            self.params(),
-            self.new_transport(),
-            dests,
-            bucket_bytes=self.cfg.bucket_bytes,
-            source_regions=[("params", self.source)],
-            fp8_blocks=blocks,
-        )
-        self.out["sender_s"] = time.perf_counter() - t0
+        config = UpdaterConfig(mode=mode, bucket_bytes=self.cfg.bucket_bytes, transport=self.cfg.transport,
+                               verify_every=0, deadline_s=self.cfg.timeout_s)
+        updater = WeightUpdater(self.params(), spec=self.spec, train=self.cfg.train, engine_urls=None,
+                                group=self.trainer_group, config=config, rollout=self.cfg.rollout,
+                                published=published or {}, broadcast_group=broadcast_group,
+                                source_regions=[("params", self.source)], placement=self.cfg.placement())
+        self.out["sender_s" if mode == "p2p" else "broadcast_setup_s"] = time.perf_counter() - t0
+        return updater
 
     # -- references ---------------------------------------------------------------------------
     def local_copy(self, nbytes: int) -> dict[str, Any] | None:
@@ -394,13 +402,13 @@ class BenchRank:
     def _p2p_body(self) -> dict[str, Any]:
         if not self.is_trainer:
             return {}
-        s = self.sender.send(deadline_s=self.cfg.timeout_s)
+        s = self.updater.write("p2p")
         return {
-            "send_s": s.total_s,
-            "pack_s": s.pack_s,
-            "wire_s": s.wire_s,
-            "bytes": s.nbytes,
-            "bytes_by_dest": s.bytes_by_dest,
+            "send_s": s["total_s"],
+            "pack_s": s["pack_s"],
+            "wire_s": s["wire_s"],
+            "bytes": s["bytes"],
+            "bytes_by_dest": s["bytes_by_dest"],
         }
 
     # -- the two modes ------------------------------------------------------------------------
@@ -510,35 +518,27 @@ class BenchRank:
         anns = [announcement(self.inputs, b.names) for b in buckets]
 
         def body() -> dict[str, Any]:
+            if self.is_trainer:  # every bucket, in the order the engine ranks receive them
+                r = endpoint.write("broadcast")
+                return {"pack_s": r["pack_s"], "wire_s": r["wire_s"], "bytes": r["bytes"]}
             acc: dict[str, Any] = defaultdict(float)
             for b, (n, d, s) in zip(buckets, anns, strict=True):
-                if self.is_trainer:
-                    r = endpoint.send_bucket(b.names)
-                    acc["pack_s"] += r["pack_s"]
-                    acc["wire_s"] += r["wire_s"]
-                    acc["bytes"] += r["bytes"]
-                else:
-                    r = endpoint.receive(names=n, dtypes=d, shapes=s, group_name=names[b.src_rank])
-                    acc["bytes"] += r["nbytes"]
+                r = endpoint.receive(names=n, dtypes=d, shapes=s, group_name=names[b.src_rank])
+                acc["bytes"] += r["nbytes"]
             return dict(acc)
 
         try:
             runs = [self._window(body, warmup=i == 0) for i in range(self.cfg.repeats + 1)]
             return {"runs": runs, "check": self.check(), "buckets": len(buckets)}
         finally:
-            group = getattr(endpoint, "group", None)
-            if group is not None and hasattr(group, "shutdown"):
-                group.shutdown()  # BroadcastSender.close() only drops it; NCCL wants an explicit shutdown
-            endpoint.close()
+            endpoint.close()  # a trainer's updater shuts its weight-update groups down (NCCL wants it)
 
     def _join_broadcast(self, names: dict[int, str]) -> Any:
-        """Trainer: its BroadcastSender (sources host the groups). Engine: a BroadcastReceiver
-        that joined every source's group."""
+        """Trainer: its WeightUpdater for broadcast (sources host the groups). Engine: a
+        BroadcastReceiver that joined every source's group."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         world = 1 + self.cfg.rollout.world_size
         if self.is_trainer:
-            from weightsync.sync.broadcast_sender import BroadcastSender
-
             group = {
                 "master_address": "127.0.0.1",
                 "world_size": world,
@@ -546,10 +546,7 @@ class BenchRank:
                 "ports": {str(s): p for s, p in self.cfg.group_ports.items()},
                 "group_names": {str(s): n for s, n in names.items()},
             }
-            layout = list(self.inputs.source_layouts[self.local])
-            return BroadcastSender(
-                self.spec, self.inputs, self.local, layout, self.params(), group=group, device=self.cfg.device
-            )
+            return self._updater("broadcast", broadcast_group=group)
         from weightsync.sync.broadcast_receiver import BroadcastReceiver
 
         assert self.store is not None
@@ -567,10 +564,10 @@ class BenchRank:
         return receiver
 
     def close(self) -> None:
-        for obj in (self.sender, self.receiver):
+        for obj in (self.updater, self.receiver):
             if obj is not None:
                 obj.close()
-        self.sender = self.receiver = None
+        self.updater = self.sender = self.receiver = None
 
 
 def run_rank(bench: BenchRank) -> dict[str, Any]:

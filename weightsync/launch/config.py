@@ -181,6 +181,16 @@ class RunConfig:
     """Where each trainer and engine rank runs; None: every rank on this host."""
     cluster: ClusterSpec | None = None
     """This node's part in a multi-node run (None: one node)."""
+    trainer: str = "synthetic"
+    """``synthetic`` (learns nothing; the CPU default) or ``megatron`` (megatron-core GRPO; the
+    CUDA default) -- ``--trainer``."""
+    placement: str = "split"
+    """``split``: trainer and engine ranks on GPUs of their own; ``colocated``: trainer rank i and
+    engine rank i share GPU i (``--placement``)."""
+    group_size: int = 4
+    """GRPO: samples per prompt (``--group-size``)."""
+    lr: float = 1e-5
+    """megatron: Adam's learning rate (``--lr``)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -193,6 +203,12 @@ class RunConfig:
             raise ValueError(f"unknown transport {self.transport!r}: use auto, shm, mooncake or cuda_ipc")
         if self.engine_urls and len(self.engine_urls) != self.rollout.num_engines:
             raise ValueError(f"{len(self.engine_urls)} engine URL(s) for {self.rollout.num_engines} engine(s)")
+        if self.trainer not in ("synthetic", "megatron"):
+            raise ValueError(f"unknown trainer {self.trainer!r}: use synthetic or megatron")
+        if self.placement not in ("split", "colocated"):
+            raise ValueError(f"unknown placement {self.placement!r}: use split or colocated")
+        if self.group_size < 1 or self.lr <= 0:
+            raise ValueError(f"--group-size must be >= 1 and --lr > 0, got {self.group_size} and {self.lr}")
         if self.engine_urls and self.cluster is not None:
             raise ValueError("--engine-urls updates engines that are already serving; a multi-node run (--head-ip) "
                              "starts its own: give one or the other")

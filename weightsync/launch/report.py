@@ -48,6 +48,24 @@ def step_table(steps: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+TRAIN_COLUMNS = (("loss", "loss"), ("mean_reward", "reward"), ("grad_norm", "grad norm"),
+                 ("logprob_diff", "lp |d| t/r"), ("clip_fraction", "clipped"))
+"""The training stats a step record's ``train`` holds (megatron), and their column titles."""
+
+
+def train_table(steps: Sequence[dict[str, Any]]) -> str:
+    """The training stats of each step that trained (loss, mean reward, gradient norm, the
+    train/rollout logprob difference, the share of clipped ratios)."""
+    head = f"{'step':>4} " + " ".join(f"{title:>11}" for _, title in TRAIN_COLUMNS)
+    lines = [head, "-" * len(head)]
+    for s in steps:
+        t = s.get("train") or {}
+        if "loss" not in t:
+            continue
+        lines.append(f"{s['step']:>4} " + " ".join(f"{float(t.get(k, float('nan'))):>11.4g}" for k, _ in TRAIN_COLUMNS))
+    return "\n".join(lines)
+
+
 def summary(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Mean/min update time over the steps after the first (the first pays one-time costs)."""
     times = [s["update_s"] for s in steps]

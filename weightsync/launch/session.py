@@ -2,20 +2,28 @@
 
 One :class:`RunSession` per ``run``. Its top level reads as the loop it is::
 
-    start()                      engines + trainer ranks, layout checks, transfer set-up
+    start()                      engines + trainer ranks, layout checks, the trainers' updaters
     initial_update()             step 0: check-weight-update-equal (unless SKIP_VALIDATION=1)
     for each step: generate() -> train() -> update() -> validate()
     finish()                     table, results.json, plot
 
-An update is timed from the return of ``pause_generation`` to the return of
-``continue_generation`` and split into phases: pause, pack, wire, barrier, post_load, resume
-(pack and wire are the slowest trainer rank's).
+Every update is the library's: each trainer rank holds a
+:class:`~weightsync.sync.updater.WeightUpdater`, and :meth:`RunSession.update` asks all of them
+for one update (rank 0 drives the engines). It is timed from the return of ``pause_generation``
+to the return of ``continue_generation`` and split into phases: pause, pack, wire, barrier,
+post_load, resume (pack and wire are the slowest trainer rank's); the updater's own checksum
+verification is timed on its own.
+
+Trainer: ``synthetic`` (the CPU default; learns nothing) or ``megatron`` (the CUDA default:
+megatron-core GRPO on the engines' rollouts, groups of ``group_size`` samples per prompt).
+Placement: ``split`` (trainer and engine ranks on their own GPUs) or ``colocated`` (trainer rank
+i and engine rank i share GPU i; broadcast then hands full tensors over through
+``/update_weights_from_tensor``, as NCCL cannot put two ranks of a group on one GPU).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,8 +31,8 @@ from typing import Any
 from weightsync.launch.config import RunConfig
 from weightsync.launch.placement import EngineEndpoint, LocalPlacement, Placement
 from weightsync.launch.procs import serve_argv
-from weightsync.launch.report import plot_phases, step_table, summary, write_results
-from weightsync.launch.trainer_worker import Cmd, WorkerConfig
+from weightsync.launch.report import plot_phases, step_table, summary, train_table, write_results
+from weightsync.launch.trainer_worker import SYNTHETIC_LABEL, Cmd, WorkerConfig
 from weightsync.launch.validate import (
     PARITY_PROMPTS,
     as_engine_holds,
@@ -38,7 +46,8 @@ from weightsync.models.resolve import model_spec
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
 from weightsync.sync.engine_client import EngineError
-from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, dest_rank_from_info
+from weightsync.sync.engines import Engines
+from weightsync.sync.updater import UpdaterConfig
 from weightsync.transport import TransportConfig
 
 log = logging.getLogger(__name__)
@@ -75,10 +84,11 @@ class RunSession:
         self.steps: list[dict[str, Any]] = []
         self.version = 0
         self._initial: dict[str, Any] | None = None
-        self._buckets: Any = None
         self._engine_weights: list[str] = []
-        self._group: dict[str, Any] | None = None
         self._infos: dict[int, dict[str, Any]] | None = None
+        self._memory: dict[str, Any] = {}
+        self._verified = False
+        self._exported = cfg.log_dir / "trainer_weights"
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -89,28 +99,17 @@ class RunSession:
             self._print_step(self.steps[-1])
             for step in range(1, self.cfg.num_steps + 1):
                 samples = self.generate(step)
-                self.train(samples)
+                trained = self.train(samples)
                 record = self.update(step)
+                record["train"] = trained
                 record.update(self.validate(step))
                 self.steps.append(record)
                 self._print_step(record)
             return self.finish()
         finally:
-            if self.cfg.engine_urls:
-                self._leave_groups()
+            # the trainer ranks' updaters take the run's weight-update groups off the engines as
+            # they stop (engines this run did not start keep serving)
             self.procs.close()
-
-    def _leave_groups(self) -> None:
-        """Engines this run did not start keep serving: take the run's weight-update groups off
-        them (a later run creates groups of the same names)."""
-        if self._group is None:
-            return
-        for name in self._group["group_names"].values():
-            for eng in self.procs.engines:
-                try:
-                    eng.client.destroy_weights_update_group(name)
-                except EngineError as exc:
-                    log.warning("engine %d: could not leave weight-update group %s: %s", eng.index, name, exc)
 
     def _transport(self) -> TransportConfig:
         """``--transport`` resolved by the written policy over this run's placement: every trainer
@@ -142,8 +141,9 @@ class RunSession:
         wcfg = WorkerConfig(model=cfg.model, scale=cfg.scale, spec=self.spec, train=cfg.train, rollout=cfg.rollout,
                             ckpt_dir=str(self.torch_dist_dir), master_addr=self.procs.trainer_host(0),
                             master_port=self.procs.trainer_port(0), device=cfg.device, bucket_bytes=cfg.bucket_bytes,
-                            transport=transport,
-                            seed=cfg.seed)
+                            transport=transport, seed=cfg.seed, trainer=cfg.trainer, gpus=self._trainer_gpus(),
+                            lr=cfg.lr, group_size=cfg.group_size,
+                            synthetic_weights=_is_synthetic(self.hf_dir))
         if cfg.engine_urls:
             self.procs.attach_engines(cfg.engine_urls)
             self.check_engines()  # before any trainer rank exists: nothing to undo on a mismatch
@@ -153,10 +153,14 @@ class RunSession:
             self.procs.start_engines(argv, timeout_s=300)
             self.check_engines()
         self.procs.wait_trainers(timeout_s=300)
-        if Mode.P2P in cfg.modes:
-            self.setup_p2p()
-        if Mode.BROADCAST in cfg.modes:
-            self.setup_broadcast()
+        self.setup_updater()
+
+    def _trainer_gpus(self) -> tuple[int, ...]:
+        """CUDA: trainer rank i on GPU i when colocated (engine rank i is there too: ``serve``
+        puts rank r on cuda:r); split: the trainer's default, from the last GPU down."""
+        if self.cfg.device != "cuda" or self.cfg.placement != "colocated":
+            return ()
+        return tuple(range(self.cfg.train.world_size))
 
     def check_engines(self) -> None:
         """Refuse engines that serve another model or layout, before any byte is written.
@@ -214,161 +218,106 @@ class RunSession:
     def _transfer_infos(self) -> dict[int, dict[str, Any]]:
         """Every rollout rank's published parameter table (and transport descriptor, an extension of
         this project's engine), by global rollout rank, after its ``/parallelism_config`` and
-        table were checked against the plan."""
-        from weightsync.layout.sglang_coords import engine_coords
+        table were checked against the plan (the library's discovery, which the trainer ranks'
+        updaters run again)."""
+        engines = Engines([e.client for e in self.procs.engines])
+        try:
+            return engines.transfer_infos(self.cfg.rollout, self.inputs.dest_layout, self._transport().kind.value)
+        except ValueError as exc:
+            raise RunError(str(exc)) from None
 
-        tp = self.cfg.rollout.tp
-        kind = self._transport().kind.value
-        out: dict[int, dict[str, Any]] = {}
-        for e, eng in enumerate(self.procs.engines):
-            for r in range(tp):
-                c = engine_coords(self.cfg.rollout, r)
-                expect = {"tp_size": c.tp_size, "tp_rank": c.tp_rank, "attn_tp_size": c.attn_tp_size,
-                          "attn_tp_rank": c.attn_tp_rank, "attn_dp_size": c.attn_dp_size,
-                          "attn_dp_rank": c.attn_dp_rank, "ep_size": c.moe_ep_size, "ep_rank": c.moe_ep_rank,
-                          "moe_tp_size": c.moe_tp_size, "moe_tp_rank": c.moe_tp_rank}
-                got = eng.client.parallelism_config(r)
-                bad = [f"{k}={got[k]} (plan: {v})" for k, v in expect.items() if k in got and got[k] != v]
-                if bad:
-                    raise RunError(f"engine {e} at {eng.url}, rank {r}: /parallelism_config differs: " + ", ".join(bad))
-                info = eng.client.transfer_engine_info(r)
-                session, weights = info["remote_instance_transfer_engine_info"]
-                descriptor = info.get("transport_descriptor")
-                if descriptor is None and kind != SGLANG_TRANSPORT:
-                    raise RunError(f"engine {e} at {eng.url}, rank {r} publishes sglang's transfer-engine info only "
-                                   f"(no transport descriptor): only --transport {SGLANG_TRANSPORT} can write into it")
-                if descriptor is not None and descriptor.get("kind") != kind:
-                    raise RunError(f"engine {e} at {eng.url}, rank {r} receives through {descriptor.get('kind')!r}, "
-                                   f"this run sends through {kind!r}: start it with --transport {kind}")
-                out[e * tp + r] = {"session_id": session, "weights": weights, "descriptor": descriptor}
-                try:  # the parameters it publishes are the ones the plan writes (names, sizes)
-                    dest_rank_from_info(e * tp + r, out[e * tp + r], self.inputs.dest_layout(e * tp + r))
-                except ValueError as exc:
-                    raise RunError(f"engine {e} at {eng.url}, rank {r}: {exc}") from None
-        return out
+    def _updater_config(self) -> UpdaterConfig:
+        """How the trainer ranks update: the run's mode, bucket size and transport; colocated
+        broadcast through ``/update_weights_from_tensor``; every update verified by checksums."""
+        from weightsync.plan.broadcast import stage_sources
 
-    def setup_p2p(self) -> None:
-        assert self._infos is not None
-        res = self.procs.command(Cmd.SETUP_P2P, self._infos)
-        ops = sum(x["ops"] for x in res)
-        print(f"p2p plan: {ops} ops over {len(res)} trainer ranks, {sum(x['bytes'] for x in res) / 1e6:.1f} MB per "
-              f"update, planned in {max(x['plan_s'] for x in res):.2f} s", flush=True)
+        host = self.procs.trainer_host(0)
+        if Mode.BROADCAST in self.cfg.modes and self.cfg.placement != "colocated":
+            sources = sorted(set(stage_sources(self.inputs).values()))
+            hosts = {self.procs.trainer_host(s) for s in sources}
+            if len(hosts) > 1:
+                raise RunError(f"broadcast: the stage sources {sources} run on several hosts {sorted(hosts)}; the "
+                               "weight-update groups take one rendezvous address (master_address), so broadcast "
+                               "needs them on one host here: use p2p, or a layout whose pipeline stages' first ranks "
+                               "share a node")
+            host = hosts.pop()
+        return UpdaterConfig(mode=self.cfg.mode.value, bucket_bytes=self.cfg.bucket_bytes, transport=self._transport(),
+                             colocated=self.cfg.placement == "colocated", verify_every=1, master_address=host)
 
-    def setup_broadcast(self) -> None:
-        from weightsync.plan.broadcast import plan_broadcast
+    def setup_updater(self) -> None:
+        """Every trainer rank builds its :class:`~weightsync.sync.updater.WeightUpdater` (plan
+        share, connections, registration, checks); then what each side holds is printed."""
+        arg = {"engine_urls": [e.url for e in self.procs.engines], "config": self._updater_config()}
+        res = self.procs.command(Cmd.SETUP_UPDATER, arg)
+        if Mode.P2P in self.cfg.modes:
+            print(f"p2p plan: {sum(x['ops'] for x in res)} ops over {len(res)} trainer ranks, "
+                  f"{sum(x['bytes'] for x in res) / 1e6:.1f} MB per update, planned in "
+                  f"{max(x['plan_s'] for x in res):.2f} s", flush=True)
+        self._memory = {"engine_params_per_rank": self._engine_param_bytes(),
+                        "trainer_ranks": [x["memory"] for x in res]}
+        print(_memory_line(self._memory, "at set-up"), flush=True)
 
-        plan = plan_broadcast(self.inputs, bucket_bytes=self.cfg.bucket_bytes)
-        self._buckets = plan.buckets
-        sources = sorted({b.src_rank for b in plan.buckets})
-        world = 1 + self.cfg.rollout.world_size
-        backend = "nccl" if self.cfg.device == "cuda" else "gloo"
-        # each group's rendezvous is hosted by its source rank, on that rank's host
-        hosts = {s: self.procs.trainer_host(s) for s in sources}
-        if len(set(hosts.values())) > 1:
-            raise RunError(f"broadcast: the stage sources {sources} run on several hosts "
-                           f"{sorted(set(hosts.values()))}; a trainer rank reads one rendezvous address "
-                           "(master_address), so broadcast needs them on one host here: use p2p, or a layout whose "
-                           "pipeline stages' first ranks share a node")
-        group = {"master_address": hosts[sources[0]], "world_size": world, "backend": backend,
-                 "ports": {str(s): self.procs.trainer_port(s) for s in sources},
-                 "group_names": {str(s): f"weightsync_src{s}" for s in sources}}
-        self._group = group
-        fut = self.procs.command_async(Cmd.SETUP_BROADCAST, group)
-        tp = self.cfg.rollout.tp
-        joins = [
-            self.procs.submit(eng.client.init_weights_update_group, master_address=hosts[s],
-                              master_port=int(group["ports"][str(s)]), rank_offset=1 + e * tp, world_size=world,
-                              group_name=group["group_names"][str(s)], backend=backend)
-            for s in sources
-            for e, eng in enumerate(self.procs.engines)
-        ]
-        for j in joins:
-            j.result()
-        fut.result()
+    def _engine_param_bytes(self) -> list[int]:
+        """Bytes of every engine rank's parameter block (its layout, as the engine allocates it)."""
+        from weightsync.sync.params import ParamStore
+
+        return [ParamStore.required_bytes(list(self.inputs.dest_layout(r))) for r in range(self.cfg.rollout.tp)]
 
     # -- steps ----------------------------------------------------------------------------------
     def generate(self, step: int) -> list[dict[str, Any]]:
-        """Every engine generates for a batch of prompts; returns the samples (text, logprobs)."""
+        """Every engine generates for a batch of prompts, each prompt ``group_size`` times (the
+        groups GRPO normalises over); returns the samples (prompt and output tokens, text, the
+        engine's logprob of each output token, the prompt's answer)."""
         from weightsync.data import load_prompts
 
-        prompts = load_prompts(self.cfg.prompts_per_step * self.cfg.rollout.num_engines, offset=step)
         per_engine = self.cfg.prompts_per_step
+        group = self.cfg.group_size if self.cfg.trainer == "megatron" else 1
+        prompts = load_prompts(per_engine * self.cfg.rollout.num_engines, offset=step)
+        chunks = [[p for p in prompts[i * per_engine:(i + 1) * per_engine] for _ in range(group)]
+                  for i in range(self.cfg.rollout.num_engines)]
         bodies = [
-            {"text": [p["prompt"] for p in prompts[i * per_engine:(i + 1) * per_engine]],
+            {"text": [p["prompt"] for p in chunk],
              "sampling_params": {"max_new_tokens": self.cfg.max_new_tokens, "temperature": 1.0, "top_p": 1.0},
-             "return_logprob": True}
-            for i in range(self.cfg.rollout.num_engines)
+             "return_logprob": True, "return_prompt_token_ids": True}
+            for chunk in chunks
         ]
-        outs = [f.result() for f in [self.procs.submit(e.client.generate, b) for e, b in zip(self.procs.engines, bodies)]]
+        futures = [self.procs.submit(e.client.generate, b) for e, b in zip(self.procs.engines, bodies, strict=True)]
+        outs = [f.result() for f in futures]
         samples: list[dict[str, Any]] = []
-        for out, body in zip(outs, bodies, strict=True):
-            for o, prompt in zip(out, body["text"], strict=True):
+        for out, chunk in zip(outs, chunks, strict=True):
+            for o, p in zip(out, chunk, strict=True):
                 if o["meta_info"]["weight_version"] != str(self.version):
                     raise RunError(f"an engine answered with weight version {o['meta_info']['weight_version']}, "
                                    f"expected {self.version}")
-                samples.append({"prompt": prompt, "output_ids": o["output_ids"], "text": o["text"]})
+                samples.append({"prompt": p["prompt"], "answer": p.get("answer", ""),
+                                "prompt_ids": o.get("prompt_token_ids", []), "output_ids": o["output_ids"],
+                                "text": o["text"],
+                                "rollout_logprobs": [row[0] for row in o["meta_info"]["output_token_logprobs"]]})
         return samples
 
-    def train(self, samples: list[dict[str, Any]]) -> None:
-        self.procs.command(Cmd.TRAIN_STEP, samples)
+    def train(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        """One step of every trainer rank; rank 0's stats (megatron: loss, reward, grad norm, the
+        train/rollout logprob difference; synthetic: the step). With megatron the trainer's
+        weights are then written out for the validation's reference."""
+        out = self.procs.command(Cmd.TRAIN_STEP, samples)[0]
+        if self.cfg.trainer == "megatron":
+            self.procs.command(Cmd.EXPORT, str(self._exported))
+        return out
 
     def update(self, step: int) -> dict[str, Any]:
-        """Move the weights into every engine; the timed section of a step."""
-        cfg = self.cfg
-        mode = cfg.modes[step % len(cfg.modes)]
-        on = self.procs.on_engines
-        t0 = time.perf_counter()
-        on(lambda c: c.pause_generation())
-        t1 = time.perf_counter()
-        on(lambda c: c.begin_weight_update())
-        if mode is Mode.P2P:
-            res = self.procs.command(Cmd.SEND_P2P)
-            pack = max(x["pack_s"] for x in res)
-            wire = max(x["wire_s"] for x in res)
-            by_dest: dict[int, int] = {}
-            for x in res:
-                for d, n in x["bytes_by_dest"].items():
-                    by_dest[int(d)] = by_dest.get(int(d), 0) + n
-            nbytes = sum(x["bytes"] for x in res)
-            buckets = sum(x["buckets"] for x in res)
-        else:
-            pack, wire, nbytes, by_dest = self._broadcast_all()
-            buckets = len(self._buckets)
-        t2 = time.perf_counter()
-        barrier = max(0.0, (t2 - t1) - pack - wire)
-        ends = on(lambda c: c.end_weight_update())
-        t3 = time.perf_counter()
+        """Move the weights into every engine (the trainer ranks' updaters); the timed section."""
+        mode = self.cfg.modes[step % len(self.cfg.modes)]
+        stats = self.procs.command(Cmd.UPDATE, {"version": step, "mode": mode.value})[0]
         self.version = step
-        on(lambda c: c.update_weight_version(str(self.version)))
-        on(lambda c: c.continue_generation())
-        t4 = time.perf_counter()
-        post = [e.get("post_load_seconds", 0.0) if isinstance(e, dict) else 0.0 for e in ends]
+        self._verified = bool(stats["verified"])
+        phases = dict(stats["phases"])
+        verify_s = phases.pop("verify")
         return {
-            "step": step, "mode": mode, "update_s": t4 - t1,
-            "phases": {"pause": t1 - t0, "pack": pack, "wire": wire, "barrier": barrier, "post_load": t3 - t2,
-                       "resume": t4 - t3},
-            "post_load_engine_s": max(post, default=0.0),
-            "bytes": nbytes, "bytes_per_receiver": {str(k): v for k, v in sorted(by_dest.items())},
-            "buckets": buckets,
+            "step": step, "mode": mode, "path": stats["path"], "update_s": stats["update_s"], "phases": phases,
+            "post_load_engine_s": stats["post_load_engine_s"], "bytes": stats["bytes"],
+            "bytes_per_receiver": stats["bytes_per_receiver"], "buckets": stats["buckets"],
+            "update_verified": stats["verified"], "verify_s": verify_s,
         }
-
-    def _broadcast_all(self) -> tuple[float, float, int, dict[int, int]]:
-        from weightsync.sync.broadcast_sender import announcement
-
-        pack = wire = 0.0
-        nbytes = 0
-        for b in self._buckets:
-            names, dtypes, shapes = announcement(self.inputs, b.names)
-            fut = self.procs.command_async(Cmd.SEND_BROADCAST, list(b.names))
-            group_name = self._group["group_names"][str(b.src_rank)]
-            self.procs.on_engines(lambda c, n=names, d=dtypes, s=shapes, g=group_name: c.update_weights_from_distributed(
-                names=n, dtypes=d, shapes=s, group_name=g, flush_cache=False))
-            res = fut.result()
-            pack += max(x["pack_s"] for x in res)
-            wire += max(x["wire_s"] for x in res)
-            nbytes += sum(x["bytes"] for x in res)
-        per_rank = {d: nbytes for d in range(self.cfg.rollout.world_size)}
-        return pack, wire, nbytes * self.cfg.rollout.world_size, per_rank
 
     def initial_update(self) -> dict[str, Any]:
         """Step 0: the first update, with the trainer's initial weights.
@@ -401,14 +350,25 @@ class RunSession:
         return record
 
     def _reference(self, step: int) -> Any:
-        """The trainer's global tensors after ``step`` updates, computed from the checkpoint
-        independently of the transfer (the synthetic trainer's rule is a function of global
-        coordinates)."""
+        """The trainer's global tensors after ``step`` updates, independently of the transfer:
+        synthetic, computed from the checkpoint (the synthetic trainer's rule is a function of
+        global coordinates); megatron, the full tensors the stage sources wrote after the step
+        (gathered over the trainer's process group, not by the update's plan), the checkpoint's
+        at step 0."""
         from weightsync.sources.hf_source import read_global_tensors
         from weightsync.sources.synthetic import SyntheticUpdate, full_tensors_at_step
 
         if self._initial is None:  # in the trainer's dtype, fp8 weights dequantized with their scales
             self._initial = read_global_tensors(self.hf_dir, self.spec)
+        if self.cfg.trainer == "megatron":
+            if step == 0:
+                return self._initial.__getitem__
+            from safetensors.torch import load_file
+
+            trained: dict[str, Any] = {}
+            for f in sorted(self._exported.glob("*.safetensors")):
+                trained.update(load_file(str(f)))
+            return trained.__getitem__
         full = full_tensors_at_step(self._initial, self.spec, step, SyntheticUpdate(seed=self.cfg.seed))
         return full.__getitem__
 
@@ -429,6 +389,8 @@ class RunSession:
         out = {
             "checksums": "pass" if not bad else "fail: " + "; ".join(bad)[:500],
             "logprob_parity": "pass" if lp <= tol else f"fail: max |d| {lp:.3g} > {tol}",
+            # the updater's own verification (a mismatch fails the update itself, engines paused)
+            "update_checksums": "pass" if self._verified else "skipped",
         }
         return {"validation": out, "logprob_max_abs_diff": lp}
 
@@ -450,7 +412,12 @@ class RunSession:
     def finish(self) -> dict[str, Any]:
         from weightsync.sources.prepare import weights_label
 
+        # the updaters' buffers that the first updates allocate (colocated broadcast, verification)
+        self._memory["trainer_ranks"] = self.procs.command(Cmd.MEMORY)
+        print(_memory_line(self._memory, "after the updates"), flush=True)
         meta = {"model": self.cfg.model, "scale": self.cfg.scale, "mode": self.cfg.mode, "device": self.cfg.device,
+                "trainer": SYNTHETIC_LABEL if self.cfg.trainer == "synthetic" else "megatron (megatron-core GRPO)",
+                "gpu_placement": self.cfg.placement, "memory_bytes": self._memory,
                 "checkpoint": str(self.hf_dir), "weights": weights_label(self.hf_dir), "dtype": self.cfg.dtype,
                 "train": asdict(self.cfg.train), "rollout": asdict(self.cfg.rollout),
                 "transport": self._transport().kind.value,
@@ -462,6 +429,9 @@ class RunSession:
         plot = plot_phases(self.cfg.log_dir, self.steps, f"{self.cfg.model} ({self.cfg.scale}) {self.cfg.mode}")
         print()
         print(step_table(self.steps))
+        if self.cfg.trainer == "megatron":
+            print()
+            print(train_table(self.steps))
         s = summary(self.steps)
         print(f"\nsummary: {s['steps']} updates, mean {s['mean_update_s']:.4f} s after the first, "
               f"{s['bytes_per_update'] / 1e6:.2f} MB per update, validation "
@@ -478,12 +448,41 @@ class RunSession:
     def _print_step(self, record: dict[str, Any]) -> None:
         val = record.get("validation", {})
         ok = all(v in ("pass", "skipped") for v in val.values())
-        print(f"step {record['step']}: {record['mode']} update {record['update_s'] * 1e3:.1f} ms, "
-              f"{record['bytes'] / 1e6:.2f} MB, validation {'pass' if ok else val}", flush=True)
+        t = record.get("train") or {}
+        trained = ""
+        if t.get("trainer") == "megatron":
+            trained = (f"; train loss {t['loss']:.4f}, mean reward {t['mean_reward']:.3f}, grad norm "
+                       f"{t['grad_norm']:.3g}, train/rollout logprob |d| {t['logprob_diff']:.3g}")
+        elif t:
+            trained = "; trainer synthetic (no learning)"
+        print(f"step {record['step']}: {record['mode']} ({record.get('path', record['mode'])}) update "
+              f"{record['update_s'] * 1e3:.1f} ms, {record['bytes'] / 1e6:.2f} MB, validation "
+              f"{'pass' if ok else val}{trained}", flush=True)
 
 
 DERIVED_MLA = (".w_kc", ".w_vc")
 """Name suffixes of the engine tensors derived from MLA ``kv_b_proj`` after every load or update."""
+
+
+def _is_synthetic(hf_dir: Path) -> bool:
+    """Whether the run's checkpoint holds synthetic weights (which never solve a math prompt)."""
+    from weightsync.sources.prepare import weights_label
+
+    return weights_label(hf_dir) == "synthetic"
+
+
+def _memory_line(memory: dict[str, Any], when: str) -> str:
+    """What each side holds, for the run's output (MB = 1e6 bytes)."""
+    engine = memory["engine_params_per_rank"]
+    parts = [f"engine parameters {sum(engine) / 1e6:.1f} MB per engine ({len(engine)} rank(s))"]
+    for r, m in enumerate(memory["trainer_ranks"]):
+        items = ", ".join(f"{k.removeprefix('trainer_')} {v / 1e6:.1f}"
+                          for k, v in m.items() if not k.startswith("gpu_") and k != "updater_params")
+        gpu = (f"; its GPU: {m['gpu_used_all_processes'] / 1e6:.0f} MB used by every process, "
+               f"{m['gpu_allocated_this_rank'] / 1e6:.0f} MB allocated by this rank" if "gpu_used_all_processes" in m
+               else "")
+        parts.append(f"trainer rank {r} (MB): {items}{gpu}")
+    return f"memory {when}: " + "; ".join(parts)
 
 
 def _holds_fp8_weights(hf_dir: Path) -> bool:

@@ -1,18 +1,30 @@
-"""One trainer rank as a process: holds its shards, trains, and sends its weights when told.
+"""One trainer rank as a process: holds its shards, trains, and updates the engines when told.
 
 The launcher starts ``world_size`` of these (spawned processes) and drives them over a pipe
 with :class:`Cmd` messages; every rank answers every command with ``("ok", payload)`` or
 ``("error", formatted traceback)`` so that one rank's failure stops the run everywhere, with the
-cause.
+cause. The update itself is the library's: each rank holds a
+:class:`~weightsync.sync.updater.WeightUpdater` over the process group of the trainer ranks
+(rank 0 drives the engines' control endpoints, every rank writes).
+
+Trainer backends (:attr:`WorkerConfig.trainer`):
+
+* ``synthetic`` -- :class:`~weightsync.sources.synthetic.SyntheticTrainer`: a deterministic
+  Adam-like update of every weight from seeded pseudo-gradients; it learns nothing (the CPU
+  default: megatron-core's forward needs CUDA to be fast);
+* ``megatron`` -- :class:`~weightsync.sources.train_step.MegatronTrainer`: the megatron-core
+  ``GPTModel`` of the profile built from the torch_dist shards, one GRPO step per batch of
+  rollouts (the CUDA default).
 
 Protocol (launcher -> every rank, in this order)::
 
-    SETUP_P2P(dests)        build the rank's P2PSender from its share of the plan
-    SETUP_BROADCAST(group)  stage sources join the weight-update group with the engines
-    TRAIN_STEP              one step of the trainer backend (weights change in place)
-    SEND_P2P                write this rank's ops; all ranks barrier before answering
-    SEND_BROADCAST(names)   gather a bucket's full tensors on the stage source and broadcast them
-    STOP                    release everything and exit
+    SETUP_UPDATER(urls, config)  the rank's WeightUpdater: plan share, connections, registration
+    TRAIN_STEP(samples)          one step of the trainer backend (weights change in place)
+    UPDATE(version, mode)        one whole update of every engine (collective over the ranks)
+    EXPORT(directory)            megatron: the stage sources write the full tensors (the run's
+                                 reference copy of the trainer's weights)
+    MEMORY                       the bytes the rank holds (trainer state, updater buffers, GPU)
+    STOP                         release everything and exit
 """
 
 from __future__ import annotations
@@ -24,29 +36,30 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from weightsync.layout.box import LocalTensor
-from weightsync.layout.megatron import trainer_layout
-from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.models.spec import ModelSpec
-from weightsync.plan.inputs import PlanInputs, build_inputs
 from weightsync.transport import TransportConfig
 
 log = logging.getLogger(__name__)
 
+TRAINERS = ("synthetic", "megatron")
+SYNTHETIC_LABEL = "synthetic (no learning: a deterministic Adam-like update of every weight)"
+"""How runs name the synthetic trainer in their output and ``results.json``."""
+
 
 class Cmd(enum.StrEnum):
-    SETUP_P2P = "setup_p2p"
-    SETUP_BROADCAST = "setup_broadcast"
+    SETUP_UPDATER = "setup_updater"
     TRAIN_STEP = "train_step"
-    SEND_P2P = "send_p2p"
-    SEND_BROADCAST = "send_broadcast"
+    UPDATE = "update"
+    EXPORT = "export"
+    MEMORY = "memory"
     STOP = "stop"
 
 
@@ -69,99 +82,152 @@ class WorkerConfig:
     transport: TransportConfig
     """The run's resolved p2p transport (each rank binds its own GPU)."""
     seed: int = 1234
+    trainer: str = "synthetic"
+    """``synthetic`` or ``megatron`` (module docstring)."""
+    gpus: tuple[int, ...] = ()
+    """CUDA: the GPU of each trainer rank (default: :func:`trainer_gpu`)."""
+    lr: float = 1e-5
+    """megatron: Adam's learning rate."""
+    group_size: int = 4
+    """megatron: GRPO samples per prompt."""
+    clip_eps: float = 0.2
+    """megatron: GRPO's ratio clip."""
+    synthetic_weights: bool = True
+    """megatron: the checkpoint is synthetic (the toy token reward; else the math reward)."""
+
+    def __post_init__(self) -> None:
+        if self.trainer not in TRAINERS:
+            raise ValueError(f"trainer must be one of {TRAINERS}, got {self.trainer!r}")
 
 
 class Worker:
     """The state of one trainer rank between commands."""
 
     def __init__(self, rank: int, cfg: WorkerConfig) -> None:
-        from weightsync.sources.synthetic import SyntheticTrainer
-
         self.rank = rank
         self.cfg = cfg
         self.spec: ModelSpec = cfg.spec if cfg.spec is not None else get_model(cfg.model, cfg.scale)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank, world_size=cfg.train.world_size
-        )
-        self.layout: list[LocalTensor] = trainer_layout(self.spec, cfg.train, rank)
-        self.gpu = trainer_gpu(rank) if cfg.device == "cuda" else None
+        self.gpu: int | None = None
+        if cfg.device == "cuda":
+            self.gpu = cfg.gpus[rank] if cfg.gpus else trainer_gpu(rank)
+            torch.cuda.set_device(self.gpu)
         device = f"cuda:{self.gpu}" if self.gpu is not None else cfg.device
-        self.trainer = SyntheticTrainer.from_torch_dist(cfg.ckpt_dir, self.spec, cfg.train, rank, device=device,
-                                                        seed=cfg.seed)
-        self._inputs: PlanInputs | None = None
-        self.sender: Any = None
-        self.bcast: Any = None
+        megatron = cfg.trainer == "megatron"
+        backend = "nccl" if megatron and cfg.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank,
+                                world_size=cfg.train.world_size)
+        # The updater's group: control messages are host objects (gloo), whatever trains on NCCL.
+        self.group = dist.new_group(backend="gloo")
+        self.updater: Any = None
+        if megatron:
+            from weightsync.sources.megatron_model import init_parallel_state
+            from weightsync.sources.train_step import MegatronTrainer
 
-    @property
-    def inputs(self) -> PlanInputs:
-        if self._inputs is None:
-            self._inputs = build_inputs(self.spec, self.cfg.train, self.cfg.rollout, trainer_layout=trainer_layout,
-                                        engine_layout=engine_layout)
-        return self._inputs
+            init_parallel_state(cfg.train, seed=cfg.seed)
+            self.trainer: Any = MegatronTrainer.from_torch_dist(cfg.ckpt_dir, self.spec, cfg.train, rank,
+                                                                device=device, lr=cfg.lr)
+            self.params: Any = self.trainer.model
+            self.regions = None
+        else:
+            from weightsync.sources.synthetic import SyntheticTrainer
 
-    def setup_p2p(self, dests_json: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        from weightsync.plan.p2p import plan_p2p_for_rank
-        from weightsync.sync.p2p_sender import P2PSender, dest_rank_from_info
+            self.trainer = SyntheticTrainer.from_torch_dist(cfg.ckpt_dir, self.spec, cfg.train, rank, device=device,
+                                                            seed=cfg.seed)
+            self.params = self.trainer.params
+            self.regions = self.trainer.regions()
+
+    def setup_updater(self, arg: dict[str, Any]) -> dict[str, Any]:
+        """Build this rank's :class:`WeightUpdater` (collective)."""
+        from weightsync.sync.names import module_tensors
+        from weightsync.sync.updater import WeightUpdater
+
+        params = module_tensors(self.params) if isinstance(self.params, torch.nn.Module) else self.params
+        self.updater = WeightUpdater(params, spec=self.spec, train=self.cfg.train, engine_urls=arg["engine_urls"],
+                                     group=self.group, config=arg["config"], source_regions=self.regions)
+        sender = self.updater.p2p_sender
+        return {"ops": self.updater.num_ops, "plan_s": self.updater.plan_s,
+                "bytes": 0 if sender is None else sender.bytes_direct + sender.bytes_staged,
+                "memory": self.memory()}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds: the trainer's state and the updater's buffers (and, on CUDA, the
+        GPU's used memory as the driver reports it: every process on it)."""
+        out = {f"updater_{k}": v for k, v in (self.updater.memory() if self.updater is not None else {}).items()}
+        if self.cfg.trainer == "megatron":
+            out.update({f"trainer_{k}": v for k, v in self.trainer.memory.items()})
+        else:
+            out["trainer_params"] = sum(a.numel() * a.element_size() for _, a in self.trainer.regions())
+            out["trainer_adam_state"] = 2 * 4 * sum(p.numel() for p in self.trainer.params.values())
+        if self.gpu is not None:
+            free, total = torch.cuda.mem_get_info(self.gpu)
+            out["gpu_used_all_processes"] = total - free
+            out["gpu_allocated_this_rank"] = torch.cuda.memory_allocated(self.gpu)
+        return out
+
+    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.cfg.trainer != "megatron":
+            return {**self.trainer.step(), "trainer": "synthetic"}
+        from weightsync.sources.train_step import grpo_batch, math_or_token_reward
 
         t0 = time.perf_counter()
-        plan = plan_p2p_for_rank(self.inputs, src_rank=self.rank)
-        plan_s = time.perf_counter() - t0
-        needed = {op.dst_rank for op in plan.ops}
-        dests = {r: dest_rank_from_info(r, dests_json[r], self.inputs.dest_layout(r)) for r in sorted(needed)}
-        blocks = {g.name: g.block for g in self.inputs.globals.values() if g.block is not None and g.quant_of is None}
-        self.sender = P2PSender(plan.ops, self.trainer.params, self.cfg.transport.on_device(self.gpu).make(), dests,
-                                bucket_bytes=self.cfg.bucket_bytes, source_regions=self.trainer.regions(),
-                                fp8_blocks=blocks)
-        return {"ops": len(plan.ops), "plan_s": plan_s, "bytes": self.sender.bytes_direct + self.sender.bytes_staged}
+        rewards = [math_or_token_reward(s, self.spec.vocab_size, synthetic=self.cfg.synthetic_weights)
+                   for s in samples]
+        kept = [dict(s, reward=r) for s, r in zip(samples, rewards, strict=True)]
+        device = torch.device(f"cuda:{self.gpu}") if self.gpu is not None else torch.device("cpu")
+        batch = grpo_batch(kept, group_size=self.cfg.group_size, device=device)
+        stats = self.trainer.grpo_step(batch, clip_eps=self.cfg.clip_eps)
+        if self.gpu is not None:
+            torch.cuda.synchronize(self.gpu)
+        return {**stats, "mean_reward": sum(rewards) / len(rewards), "trainer": "megatron",
+                "train_s": time.perf_counter() - t0}
 
-    def send_p2p(self) -> dict[str, Any]:
-        stats = self.sender.send()
-        t0 = time.perf_counter()
-        dist.barrier()
-        return {"total_s": stats.total_s, "pack_s": stats.pack_s, "wire_s": stats.wire_s,
-                "barrier_s": time.perf_counter() - t0, "bytes": stats.nbytes, "bytes_by_dest": stats.bytes_by_dest,
-                "buckets": self.sender.num_buckets}
+    def update(self, arg: dict[str, Any]) -> dict[str, Any]:
+        return self.updater.update(arg["version"], mode=arg.get("mode")).to_json()
 
-    def setup_broadcast(self, group: dict[str, Any]) -> dict[str, Any]:
-        from weightsync.sync.broadcast_sender import BroadcastSender
+    def export(self, directory: str) -> dict[str, Any]:
+        """Write the trainer's full tensors (stage sources, one file each; collective)."""
+        from safetensors.torch import save_file
 
-        self.bcast = BroadcastSender(self.spec, self.inputs, self.rank, self.layout, self.trainer.params,
-                                     group=group, device=self.cfg.device)
-        return {"source": self.bcast.is_source}
-
-    def send_broadcast(self, names: list[str]) -> dict[str, Any]:
-        return self.bcast.send_bucket(names)
+        out: dict[str, torch.Tensor] = {}
+        for part in self.updater.full_tensors():
+            out.update({n: t.detach().cpu().contiguous() for n, t in part.items()})
+        if out:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            save_file(out, str(Path(directory) / f"trainer-rank{self.rank}.safetensors"))
+        dist.barrier(group=self.group)
+        return {"tensors": len(out)}
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-        if self.bcast is not None:
-            self.bcast.close()
+        if self.updater is not None:
+            self.updater.close()
+        if self.cfg.trainer == "megatron":
+            from weightsync.sources.megatron_model import destroy_parallel_state
+
+            destroy_parallel_state()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def trainer_gpu(rank: int) -> int:
-    """The GPU of trainer rank ``rank`` on this node, made current.
+    """The GPU of trainer rank ``rank`` in a split placement on this node.
 
     Engine ranks take GPUs from 0 up (``weightsync serve`` puts rank r on cuda:r), so trainer
     ranks take them from the last one down: on a node with room for both they do not share a
     GPU, and where they must share (fewer GPUs than ranks) the writes stay on that GPU.
     """
     n = torch.cuda.device_count()
-    gpu = (n - 1 - rank) % n
-    torch.cuda.set_device(gpu)
-    return gpu
+    return (n - 1 - rank) % n
 
 
 def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:
     """Entry point of a spawned trainer rank: serve commands until STOP (or the pipe closes)."""
     logging.basicConfig(level=logging.INFO, format=f"[trainer rank{rank}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise
     torch.set_num_threads(1)
     worker: Worker | None = None
     try:
         worker = Worker(rank, cfg)
-        conn.send(("ok", {"rank": rank, "params": len(worker.trainer.params)}))
+        conn.send(("ok", {"rank": rank}))
         while True:
             try:
                 cmd, arg = conn.recv()
@@ -189,14 +255,14 @@ def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:
 
 
 def _dispatch(worker: Worker, cmd: str, arg: Any) -> Any:
-    if cmd == Cmd.SETUP_P2P:
-        return worker.setup_p2p(arg)
-    if cmd == Cmd.SETUP_BROADCAST:
-        return worker.setup_broadcast(arg)
+    if cmd == Cmd.SETUP_UPDATER:
+        return worker.setup_updater(arg)
     if cmd == Cmd.TRAIN_STEP:
-        return worker.trainer.step()
-    if cmd == Cmd.SEND_P2P:
-        return worker.send_p2p()
-    if cmd == Cmd.SEND_BROADCAST:
-        return worker.send_broadcast(arg)
+        return worker.train_step(arg)
+    if cmd == Cmd.UPDATE:
+        return worker.update(arg)
+    if cmd == Cmd.EXPORT:
+        return worker.export(arg)
+    if cmd == Cmd.MEMORY:
+        return worker.memory()
     raise ValueError(f"unknown trainer command {cmd!r}")

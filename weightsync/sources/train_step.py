@@ -1,9 +1,30 @@
-"""Real training with megatron-core: a REINFORCE step on rollout samples.
+"""Real training with megatron-core: a GRPO (or REINFORCE) step on rollout samples.
 
-One step = forward of the rank's ``GPTModel`` on the batch's tokens, a reward-weighted token
+One step = forward of the rank's ``GPTModel`` on the batch's tokens, a policy-gradient token
 loss, backward, gradient all-reduce over the data-parallel groups, and an Adam step on float32
 master weights that are copied back into the (bf16) parameters, the mixed-precision scheme of
 Megatron's ``Float16OptimizerWithFloat16Params`` in a few lines.
+
+GRPO (what ``run`` trains with, :meth:`MegatronTrainer.grpo_step`): the rollouts come in groups
+of ``G`` samples of one prompt; a sample's advantage is its reward normalised within its group,
+``A_b = (r_b - mean_g r) / (std_g r + 1e-6)``; with ``rho_bt = exp(logp_bt - logp_rollout_bt)``
+the importance ratio of the trainer's current logprob against the one the engine sampled with,
+
+    loss = - sum_bt min(rho_bt A_b, clip(rho_bt, 1 - eps, 1 + eps) A_b) m_bt / sum_bt m_bt
+
+(PPO's clipped surrogate, one optimizer step per batch). The step reports the loss, the gradient
+norm, the mean reward and the train/rollout logprob difference ``mean |logp - logp_rollout|``
+over the response tokens (the engine and the trainer compute the same model in different
+precisions and kernels: the reference CI gates on it).
+
+Rewards: :func:`math_or_token_reward` -- the bundled math prompts' verifiable answer for real
+checkpoints, and for synthetic weights (which never solve a problem) a toy reward a random model
+can learn, :func:`token_set_reward`: the share of response tokens with an even id. One chosen
+token would be sampled with probability about 1/vocab by a random model, so almost every group
+would score 0 and carry no gradient; a range of ids (say the lower half) is skewed by what the
+prompt holds (with tied embeddings a random model favours the prompt's own ids, ASCII bytes under
+the byte tokenizer); even ids are half of every range, so the reward starts near 0.5 with a
+spread across the samples of a group, and the share visibly rises within a few steps.
 
 Loss (REINFORCE with a per-batch baseline): with ``A_b = r_b - mean(r)`` the advantage of
 sample ``b`` and ``m_bt`` = 1 on the response tokens,
@@ -20,7 +41,8 @@ but identically, on CPU for tests.
 Typical usage (every rank; megatron parallel state initialized)::
 
     trainer = MegatronTrainer.from_torch_dist(ckpt, spec, par, rank, device="cuda")
-    stats = trainer.step(batch_from_samples(samples, device="cuda"))
+    stats = trainer.step(batch_from_samples(samples, device="cuda"))           # REINFORCE
+    stats = trainer.grpo_step(grpo_batch(samples, group_size=4, device="cuda"))
 """
 
 from __future__ import annotations
@@ -49,6 +71,8 @@ class TokenBatch:
     """[B, S] float32: 1 where the token is a response token the loss covers."""
     advantages: torch.Tensor
     """[B] float32."""
+    rollout_logprobs: torch.Tensor | None = None
+    """[B, S] float32: at position t, the engine's logprob of token t (response tokens only)."""
 
 
 def batch_from_samples(samples: list[dict[str, Any]], *, device: str | torch.device = "cpu",
@@ -80,6 +104,77 @@ def batch_from_samples(samples: list[dict[str, Any]], *, device: str | torch.dev
     rewards = torch.tensor([float(s["reward"]) for s in samples], dtype=torch.float32)
     adv = rewards - rewards.mean() if baseline else rewards
     return TokenBatch(tokens=tokens.to(device), loss_mask=mask.to(device), advantages=adv.to(device))
+
+
+def token_set_reward(output_ids: list[int], vocab_size: int) -> float:
+    """The toy reward of synthetic weights: the share of ``output_ids`` that are even ids below
+    ``vocab_size`` (0 for an empty response); see the module docstring."""
+    if not output_ids:
+        return 0.0
+    return sum(1 for t in output_ids if t % 2 == 0 and 0 <= t < vocab_size) / len(output_ids)
+
+
+def math_or_token_reward(sample: dict[str, Any], vocab_size: int, *, synthetic: bool) -> float:
+    """A sample's reward: :func:`token_set_reward` for synthetic weights, else the math answer's
+    (``weightsync.data.math_reward`` of the sample's ``answer`` and ``text``)."""
+    if synthetic:
+        return token_set_reward(list(sample["output_ids"]), vocab_size)
+    from weightsync.data import math_reward
+
+    return math_reward(str(sample.get("answer", "")), str(sample.get("text", "")))
+
+
+def grpo_batch(samples: list[dict[str, Any]], *, group_size: int, device: str | torch.device = "cpu",
+               eps: float = 1e-6) -> TokenBatch:
+    """A :class:`TokenBatch` with group-normalised advantages and the rollout logprobs.
+
+    Args:
+        samples: consecutive groups of ``group_size`` samples of one prompt, each
+            ``{"prompt_ids", "output_ids", "rollout_logprobs" (one per output token), "reward"}``.
+        group_size: samples per prompt.
+        device: where the tensors go.
+        eps: added to a group's reward standard deviation.
+
+    Raises:
+        ValueError: the sample count is no multiple of ``group_size``, a sample has no response
+            tokens, or its rollout logprobs do not match its output tokens.
+    """
+    if group_size < 1 or not samples or len(samples) % group_size:
+        raise ValueError(f"{len(samples)} samples do not form groups of {group_size}")
+    base = batch_from_samples(samples, device="cpu", baseline=False)
+    rewards = base.advantages.view(-1, group_size)
+    std = rewards.std(dim=1, keepdim=True, unbiased=False) if group_size > 1 else torch.ones_like(rewards)
+    adv = ((rewards - rewards.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
+    old = torch.zeros_like(base.loss_mask)
+    for b, s in enumerate(samples):
+        lps, p, o = list(s["rollout_logprobs"]), len(s["prompt_ids"]), len(s["output_ids"])
+        if len(lps) != o:
+            raise ValueError(f"sample {b}: {len(lps)} rollout logprobs for {o} output tokens")
+        old[b, p:p + o] = torch.tensor(lps, dtype=torch.float32)
+    return TokenBatch(tokens=base.tokens.to(device), loss_mask=base.loss_mask.to(device), advantages=adv.to(device),
+                      rollout_logprobs=old.to(device))
+
+
+def grpo_loss(model: torch.nn.Module, batch: TokenBatch, vocab_size: int, *, clip_eps: float = 0.2
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO's clipped surrogate (module docstring) and its parts: tokens, mean logprob, the
+    train/rollout logprob difference, the share of clipped ratios."""
+    if batch.rollout_logprobs is None:
+        raise ValueError("GRPO needs the rollout logprobs (grpo_batch)")
+    logp = token_logprobs(model, batch.tokens, vocab_size)
+    mask = batch.loss_mask[:, 1:]
+    old = batch.rollout_logprobs[:, 1:]
+    count = mask.sum().clamp(min=1.0)
+    ratio = torch.exp(logp - old)
+    adv = batch.advantages[:, None]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv)
+    loss = -(surrogate * mask).sum() / count
+    with torch.no_grad():
+        diff = ((logp - old).abs() * mask).sum() / count
+        clipped = (((ratio - 1.0).abs() > clip_eps).float() * mask).sum() / count
+    stats = {"tokens": float(mask.sum()), "mean_logprob": float((logp.detach() * mask).sum() / count),
+             "logprob_diff": float(diff), "clip_fraction": float(clipped)}
+    return loss, stats
 
 
 def model_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -166,6 +261,17 @@ class MegatronTrainer:
         load_into_model(model, ckpt_dir, spec, par, rank)
         return cls(model, spec, par, rank, lr=lr)
 
+    @property
+    def memory(self) -> dict[str, int]:
+        """Bytes of this rank's training state: parameters, float32 master weights, gradients and
+        Adam's two moments (gradients and moments counted at their size once allocated)."""
+        params = sum(p.numel() * p.element_size() for p in self._trainable)
+        master = sum(m.numel() * m.element_size() for m in self._master)
+        state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor))
+        grads = sum(p.numel() * p.element_size() for p in self._trainable)
+        return {"params": params, "master_weights": master, "grads": grads, "optimizer_state": state}
+
     def step(self, batch: TokenBatch | list[dict[str, Any]]) -> dict[str, float]:
         """One REINFORCE step (collective over the job).
 
@@ -182,6 +288,23 @@ class MegatronTrainer:
         for p in self._trainable:
             p.grad = None
         loss, stats = reinforce_loss(self.model, batch, self.spec.vocab_size)
+        return self._optimize(loss, stats)
+
+    def grpo_step(self, batch: TokenBatch, *, clip_eps: float = 0.2) -> dict[str, float]:
+        """One GRPO step (collective over the job) on a :func:`grpo_batch`.
+
+        Returns:
+            ``{"step", "loss", "grad_norm", "tokens", "mean_logprob", "logprob_diff",
+            "clip_fraction"}`` (loss and logprobs before the update).
+        """
+        self.model.train()
+        for p in self._trainable:
+            p.grad = None
+        loss, stats = grpo_loss(self.model, batch, self.spec.vocab_size, clip_eps=clip_eps)
+        return self._optimize(loss, stats)
+
+    def _optimize(self, loss: torch.Tensor, stats: dict[str, float]) -> dict[str, float]:
+        """Backward, gradient reduction, Adam on the master weights, copy back; the step's stats."""
         with megatron_compat():  # the backward of megatron-core's TP collectives asks for the CUDA device
             loss.backward()
         self._all_reduce_grads()

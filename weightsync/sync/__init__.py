@@ -3,6 +3,12 @@
 Everything another RL framework would import to update engines from its own trainer, and that the
 built-in engine uses to receive:
 
+* ``updater``           :class:`WeightUpdater`: the facade, one per trainer rank; ``update(version)``
+                        does one whole update (re-exported as ``from weightsync import WeightUpdater``)
+* ``engines``           the engines of an update found from their URLs (sizes, parameter tables)
+* ``names``             a rank's live parameters placed on its layout (both megatron-core specs)
+* ``verify``            the trainer-side checksums every engine parameter must match after an update
+* ``tensor_sender``     the colocated broadcast: full tensors through ``/update_weights_from_tensor``
 * ``p2p_sender``        :class:`P2PSender`: replays one trainer rank's share of the static plan,
                         writing converted bytes straight into engine parameters (one-sided)
 * ``p2p_receiver``      :class:`Receiver`: an engine rank's transport, arena and one registration

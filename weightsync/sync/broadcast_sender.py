@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -79,34 +79,50 @@ class BroadcastSender:
     """
 
     def __init__(self, spec: ModelSpec, inputs: PlanInputs, rank: int, layout: Sequence[LocalTensor],
-                 params: Mapping[str, torch.Tensor], *, group: Mapping[str, Any], device: str) -> None:
+                 params: Mapping[str, torch.Tensor], *, group: Mapping[str, Any] | None, device: str,
+                 pg: Any = None) -> None:
         """Join the weight-update group if this rank is a stage source.
 
         Args:
             spec: the model.
             inputs: planner inputs (both layouts).
-            rank: this trainer rank.
+            rank: this trainer rank (its rank in ``pg``).
             layout: its local tensors.
             params: its parameters by local name.
             group: ``{"master_address", "master_port", "world_size", "backend", "group_names":
-                {source rank: group name}, "ports": {source rank: port}}``.
+                {source rank: group name}, "ports": {source rank: port}}``; None: join no
+                weight-update group (only :meth:`wire_bucket` / :meth:`full_tensors` are used,
+                e.g. to hand the tensors over another way).
             device: ``cpu`` or ``cuda``.
+            pg: the trainer ranks' process group the pieces are gathered over (None: the
+                default group).
         """
         self.spec = spec
         self.inputs = inputs
         self.rank = rank
         self.params = params
+        self.pg = pg
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.owner = stage_sources(inputs)
         self.wire = wire_dtypes(inputs)
         self.is_source = rank in set(self.owner.values())
         self._layout = {t.name: t for t in layout}
         self.group = None
-        if self.is_source:
+        if self.is_source and group is not None:
             self.group = new_weight_update_group(
                 master_address=group["master_address"], master_port=int(group["ports"][str(rank)]), rank=0,
                 world_size=int(group["world_size"]), group_name=group["group_names"][str(rank)],
                 backend=group["backend"])
+
+    def _global(self, rank: int) -> int:
+        """The default-group rank of trainer rank ``rank`` (torch's send/recv take those)."""
+        return rank if self.pg is None else dist.get_global_rank(self.pg, rank)
+
+    def full_tensors(self, source: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The full tensors ``names`` (of ``source``'s stage) assembled on ``source``, in the
+        trainer's dtype; every other rank of the stage sends its pieces and gets {} (collective
+        over the stage)."""
+        return self._gather(source, list(names))
 
     def _gather(self, source: int, names: list[str]) -> dict[str, torch.Tensor]:
         """Assemble the full tensors ``names`` on ``source`` (others: send pieces; returns {})."""
@@ -122,7 +138,7 @@ class BroadcastSender:
         if self.rank != source:
             if mine:
                 flat = torch.cat([self.params[local][box_slices(p.local_box)].reshape(-1) for _, local, p in mine])
-                dist.send(flat.cpu() if flat.is_cuda else flat, dst=source)
+                dist.send(flat.cpu() if flat.is_cuda else flat, dst=self._global(source), group=self.pg)
             return {}
         full: dict[str, torch.Tensor] = {}
         for name in names:
@@ -134,7 +150,7 @@ class BroadcastSender:
         for r, items in sorted(incoming.items()):
             dtype = full[items[0][0]].dtype
             flat = torch.empty(sum(box_volume(p.global_box) for _, p in items), dtype=dtype)
-            dist.recv(flat, src=r)
+            dist.recv(flat, src=self._global(r), group=self.pg)
             off = 0
             for name, p in items:
                 n = box_volume(p.global_box)
@@ -166,24 +182,30 @@ class BroadcastSender:
                 out.append((name, scales[name]))
         return out
 
+    def wire_bucket(self, names: Sequence[str]) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+        """The bucket's tensors in the engines' storage format, per stage source, in the order
+        :func:`announcement` lists them: yields ``(source, tensors)`` on that source (others help
+        gather and get ``(source, [])``); collective over the trainer ranks."""
+        by_source: dict[int, list[str]] = defaultdict(list)
+        for n in names:
+            by_source[self.owner[n]].append(n)
+        for source in sorted(by_source):
+            weights = [n for n in by_source[source] if self.inputs.globals[n].quant_of is None]
+            full = self._gather(source, weights)
+            yield source, (self._to_wire(by_source[source], full) if self.rank == source else [])
+
     def send_bucket(self, names: Sequence[str]) -> dict[str, Any]:
         """Gather, convert and broadcast one bucket (collective over the trainer ranks).
 
         Returns:
             ``{"pack_s", "wire_s", "bytes"}`` of this rank (sources: bytes broadcast).
         """
-        by_source: dict[int, list[str]] = defaultdict(list)
-        for n in names:
-            by_source[self.owner[n]].append(n)
         t0 = time.perf_counter()
         sent = 0
         wire_s = 0.0
-        for source in sorted(by_source):
-            weights = [n for n in by_source[source] if self.inputs.globals[n].quant_of is None]
-            full = self._gather(source, weights)
+        for source, tensors in self.wire_bucket(names):
             if self.rank != source:
                 continue
-            tensors = self._to_wire(by_source[source], full)
             tw = time.perf_counter()
             assert self.group is not None
             for _, t in tensors:

@@ -116,6 +116,13 @@ class EngineClient:
     def update_weights_from_distributed(self, **body: Any) -> Any:
         return self._call("POST", "/update_weights_from_distributed", json=body)
 
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+                                   flush_cache: bool = False) -> Any:
+        """sglang's colocated update: one serialized entry per engine TP rank."""
+        return self._call("POST", "/update_weights_from_tensor",
+                          json={"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+                                "flush_cache": flush_cache})
+
     def destroy_weights_update_group(self, group_name: str) -> Any:
         return self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name})
 

@@ -265,6 +265,11 @@ class P2PSender:
         self.bytes_staged = sum(s.nbytes for b in self._buckets for s in b)
 
     @property
+    def staging_bytes(self) -> int:
+        """Bytes of the two staging halves this rank holds (0 when nothing is transformed)."""
+        return sum(s.numel() for s in self._staging)
+
+    @property
     def num_buckets(self) -> int:
         """Staging buckets replayed every step (0 when every op is written straight from parameters)."""
         return len(self._buckets)

@@ -1,0 +1,126 @@
+"""Contract: one :class:`WeightUpdater` over a live engine -- updates under TE-spec names are
+bit-exact in both modes; a failed update leaves the engine paused and names the engine; an
+engine restarted between updates is picked up by ``refresh()``, not by a new updater.
+
+One trainer rank (a gloo group of one, in this process) and one ``weightsync serve`` engine
+(Qwen3-4B tiny, TP 2, shm, dummy weights) on a fixed port, so that the restarted engine has the
+same URL and new parameter addresses. Bit-exact: ``stats.verified`` (every engine parameter's
+xxh64 equals that of the trainer's tensors laid out by the engine's loading rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.e2e_helpers import serve_engine
+from tests.test_sync_updater_names import te_name
+from weightsync import UpdateError, UpdaterConfig, WeightUpdater
+from weightsync.layout.megatron import trainer_layout
+from weightsync.models import get_model
+from weightsync.models.parallel import TrainParallel
+from weightsync.proc import free_port
+from weightsync.sync.engine_client import EngineClient
+
+SPEC = get_model("Qwen3-4B", "tiny")
+TRAIN = TrainParallel(world_size=1)
+ENGINE_ARGV = ["Qwen3-4B", "--scale", "tiny", "--tp", "2", "--transport", "shm", "--load-format", "dummy"]
+
+
+def engine_on(port: int, log: Path):
+    """``weightsync serve`` on ``port`` until the block ends (a restart gets the same URL)."""
+    return serve_engine(ENGINE_ARGV, log, port=port)
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[object]:
+    """A gloo group of this one trainer rank (the default group too, created here when absent)."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield dist.new_group(ranks=[0], backend="gloo")
+    if created:
+        dist.destroy_process_group()
+
+
+def te_named_params(seed: int) -> dict[str, torch.Tensor]:
+    """Plain tensors of the trainer layout under their Transformer Engine spec names."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for t in trainer_layout(SPEC, TRAIN, 0):
+        name = te_name(t.name, mla=False, moe_layer=False)
+        out[name] = torch.randn(t.shape, generator=gen).to(getattr(torch, t.dtype))
+    return out
+
+
+def _step(params: dict[str, torch.Tensor], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in params.values():
+        t.add_(torch.randn(t.shape, generator=gen).to(t.dtype), alpha=1e-2)
+
+
+def _state(url: str) -> str:
+    client = EngineClient(url)
+    try:
+        return client.server_info()["internal_states"][0]["state"]
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(300)
+def test_update_failure_restart_refresh(group: object, tmp_path: Path):
+    port = free_port()
+    params = te_named_params(0)
+    assert any(n.endswith("linear_qkv.layer_norm_weight") for n in params)
+    config = UpdaterConfig(mode="both", bucket_bytes=1 << 18, verify_every=1)
+    with engine_on(port, tmp_path / "engine.log") as url:
+        updater = WeightUpdater(params, spec=SPEC, train=TRAIN, engine_urls=[url], group=group, config=config)
+        try:
+            for version in (1, 2):  # p2p, then broadcast, under TE names
+                _step(params, version)
+                stats = updater.update(version)
+                assert stats.verified, stats
+                assert stats.mode == ("p2p" if version == 1 else "broadcast"), stats
+                assert stats.bytes > 0
+                assert stats.gb_per_s > 0
+                assert set(stats.phases) == {"pause", "pack", "wire", "barrier", "post_load", "resume", "verify"}
+            assert _state(url) == "serving"
+
+            # a write that did not happen: the verification finds every changed tensor and the
+            # update stops with the engine paused, naming it
+            _step(params, 3)
+            sender = updater.p2p_sender
+            real_send = sender.send
+            sender.send = lambda **kw: _no_write()
+            with pytest.raises(UpdateError, match=rf"checksums differ: engine 0 at {url}, rank 0: .* differ"):
+                updater.update(3, mode="p2p")
+            assert _state(url) != "serving"  # weights loaded (post-load ran), generation not resumed
+            sender.send = real_send
+            stats = updater.update(3, mode="p2p")  # the next update repairs it
+            assert stats.verified
+            assert _state(url) == "serving"
+        except BaseException:
+            updater.close()
+            raise
+    # the engine is gone: the next update fails at pause, naming the engine
+    with pytest.raises(UpdateError, match=rf"pause_generation: engine 0 at {url}"):
+        updater.update(4)
+    with engine_on(port, tmp_path / "engine.log") as url:  # restarted: same URL, new parameter memory
+        try:
+            assert updater.refresh() is True
+            for version in (5, 6):
+                _step(params, version)
+                assert updater.update(version).verified
+        finally:
+            updater.close()
+
+
+def _no_write() -> object:
+    """What ``P2PSender.send`` returns, without writing anything."""
+    from weightsync.sync.p2p_sender import SendStats
+
+    return SendStats(total_s=0.0, pack_s=0.0, wire_s=0.0, bytes_direct=0, bytes_staged=0, bytes_by_dest={})

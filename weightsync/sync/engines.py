@@ -1,0 +1,179 @@
+"""The rollout engines of an update, found from their URLs: sizes, parameter tables, control calls.
+
+Only what sglang itself publishes is read, so a real sglang server is discovered the same way as
+the built-in engine:
+
+* ``/server_info``: ``ServerArgs``' ``tp_size``, ``dp_size``, ``ep_size``, ``pp_size``,
+  ``moe_dense_tp_size``, ``enable_dp_lm_head`` -> the :class:`RolloutParallel` of the engines
+  (every engine must agree);
+* per rank, ``/parallelism_config`` (checked against the rank's coordinates in that layout) and
+  ``/get_remote_instance_transfer_engine_info``: sglang's ``[session_id, {name: (ptr, numel,
+  element_size)}]``, plus this project's engine's ``transport_descriptor`` (an extension; an
+  engine without one is written over Mooncake at ``session_id``,
+  :func:`~weightsync.sync.p2p_sender.dest_rank_from_info`).
+
+Every error names the engine (index and URL) and the rank.
+
+Typical usage::
+
+    engines = Engines(["http://10.0.0.5:30000"])
+    rollout = engines.rollout_parallel()
+    infos = engines.transfer_infos(rollout, dest_layout)     # global rollout rank -> info
+    engines.each(lambda c: c.pause_generation())
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from weightsync.layout.box import LocalTensor
+from weightsync.layout.sglang_coords import engine_coords
+from weightsync.models.parallel import RolloutParallel
+from weightsync.sync.engine_client import EngineClient, EngineError
+from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, dest_rank_from_info
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SIZE_FIELDS = ("tp_size", "dp_size", "ep_size", "pp_size", "moe_dense_tp_size", "enable_dp_lm_head")
+"""The ``ServerArgs`` fields an update's destination layout depends on."""
+
+
+def rollout_from_server_info(info: dict[str, Any], num_engines: int) -> RolloutParallel:
+    """The engine layout that ``/server_info`` describes.
+
+    Raises:
+        ValueError: a field is missing, or the engine is pipeline-parallel (not supported).
+    """
+    missing = [k for k in SIZE_FIELDS if k not in info]
+    if missing:
+        raise ValueError(f"/server_info lacks {missing}: not an sglang ServerArgs answer")
+    if int(info["pp_size"]) != 1:
+        raise ValueError(f"pp_size={info['pp_size']}: pipeline-parallel engines are not supported")
+    dense = info["moe_dense_tp_size"]
+    return RolloutParallel(tp=int(info["tp_size"]), dp=int(info["dp_size"]), ep=int(info["ep_size"]),
+                           num_engines=num_engines, moe_dense_tp=None if dense is None else int(dense),
+                           dp_lm_head=bool(info["enable_dp_lm_head"]))
+
+
+class Engines:
+    """HTTP clients of the engines of one update, in engine order (module docstring)."""
+
+    def __init__(self, urls: Sequence[str] | Sequence[EngineClient], *, timeout_s: float = 600.0) -> None:
+        """Args:
+            urls: one base URL (or a ready client) per engine.
+            timeout_s: per HTTP request.
+        """
+        if not urls:
+            raise ValueError("no engine URLs: give one URL per engine")
+        self.clients = [u if isinstance(u, EngineClient) else EngineClient(str(u), timeout_s=timeout_s) for u in urls]
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)))
+
+    @property
+    def urls(self) -> list[str]:
+        return [c.base_url for c in self.clients]
+
+    def where(self, index: int) -> str:
+        """``engine i at URL`` (for messages)."""
+        return f"engine {index} at {self.clients[index].base_url}"
+
+    def each(self, fn: Callable[[EngineClient], T], *, what: str = "") -> list[T]:
+        """``fn(client)`` on every engine at once; results in engine order.
+
+        Raises:
+            EngineError: naming every engine that failed (and ``what`` was being done).
+        """
+        futures = [self._pool.submit(fn, c) for c in self.clients]
+        out: list[Any] = []
+        errors: list[str] = []
+        for i, f in enumerate(futures):
+            try:
+                out.append(f.result())
+            except Exception as exc:  # every engine's failure is reported, not only the first
+                errors.append(f"{self.where(i)}: {exc}")
+                out.append(None)
+        if errors:
+            raise EngineError((f"{what}: " if what else "") + "; ".join(errors))
+        return out
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Any:
+        """``fn`` in the engines' thread pool (a future)."""
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def rollout_parallel(self) -> RolloutParallel:
+        """The engines' layout from ``/server_info`` (all engines must have the same).
+
+        Raises:
+            ValueError: an engine's answer lacks a size, or two engines differ (named).
+        """
+        infos = self.each(lambda c: c.server_info(), what="/server_info")
+        layouts = []
+        for i, info in enumerate(infos):
+            try:
+                layouts.append(rollout_from_server_info(info, len(self.clients)))
+            except ValueError as exc:
+                raise ValueError(f"{self.where(i)}: {exc}") from None
+        for i, r in enumerate(layouts[1:], start=1):
+            if r != layouts[0]:
+                raise ValueError(f"{self.where(i)} has another layout ({r}) than {self.where(0)} ({layouts[0]})")
+        return layouts[0]
+
+    def transfer_infos(self, rollout: RolloutParallel, dest_layout: Callable[[int], Sequence[LocalTensor]],
+                       kind: str | None = None) -> dict[int, dict[str, Any]]:
+        """Every rollout rank's published parameter table, checked, by global rollout rank.
+
+        Args:
+            rollout: the engines' layout.
+            dest_layout: global rollout rank -> the local tensors the plan writes there.
+            kind: the transport the writer uses; None: whatever the engines publish (all the same).
+
+        Returns:
+            ``{rank: {"session_id", "weights", "descriptor"}}`` (descriptor None: sglang's table only).
+
+        Raises:
+            ValueError: ``/parallelism_config`` differs from the layout's coordinates, the engine
+                publishes another transport than ``kind`` (or only sglang's table while ``kind`` is
+                not Mooncake), or its parameters are not the layout's (each named with engine and rank).
+        """
+        tp = rollout.tp
+        out: dict[int, dict[str, Any]] = {}
+        for e, client in enumerate(self.clients):
+            for r in range(tp):
+                c = engine_coords(rollout, r)
+                expect = {"tp_size": c.tp_size, "tp_rank": c.tp_rank, "attn_tp_size": c.attn_tp_size,
+                          "attn_tp_rank": c.attn_tp_rank, "attn_dp_size": c.attn_dp_size,
+                          "attn_dp_rank": c.attn_dp_rank, "ep_size": c.moe_ep_size, "ep_rank": c.moe_ep_rank,
+                          "moe_tp_size": c.moe_tp_size, "moe_tp_rank": c.moe_tp_rank}
+                got = client.parallelism_config(r)
+                bad = [f"{k}={got[k]} (plan: {v})" for k, v in expect.items() if k in got and got[k] != v]
+                if bad:
+                    raise ValueError(f"{self.where(e)}, rank {r}: /parallelism_config differs: " + ", ".join(bad))
+                info = client.transfer_engine_info(r)
+                session, weights = info["remote_instance_transfer_engine_info"]
+                descriptor = info.get("transport_descriptor")
+                have = SGLANG_TRANSPORT if descriptor is None else str(descriptor.get("kind"))
+                if kind is None:
+                    kind = have
+                if descriptor is None and kind != SGLANG_TRANSPORT:
+                    raise ValueError(f"{self.where(e)}, rank {r} publishes sglang's transfer-engine info only (no "
+                                     f"transport descriptor): only --transport {SGLANG_TRANSPORT} can write into it")
+                if have != kind:
+                    raise ValueError(f"{self.where(e)}, rank {r} receives through {have!r}, this update sends "
+                                     f"through {kind!r}: start it with --transport {kind}")
+                g = e * tp + r
+                out[g] = {"session_id": session, "weights": weights, "descriptor": descriptor}
+                try:  # the parameters it publishes are the ones the plan writes (names, sizes)
+                    dest_rank_from_info(g, out[g], dest_layout(g))
+                except ValueError as exc:
+                    raise ValueError(f"{self.where(e)}, rank {r}: {exc}") from None
+        return out
+
+    def close(self) -> None:
+        """Close the clients (the engines keep running)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self.clients:
+            c.close()

@@ -1,0 +1,746 @@
+"""The weight-update facade: one object per trainer rank, ``update(version)`` after each optimizer step.
+
+A training loop that already exists (Megatron, miles, verl, NeMo-style) constructs a
+:class:`WeightUpdater` on every trainer rank from
+
+* the rank's live parameters -- a megatron-core model (:meth:`WeightUpdater.from_megatron`: its
+  parameters, the parallel sizes read from megatron's ``parallel_state``), or a mapping of
+  Megatron-layout names to tensors plus a :class:`~weightsync.models.parallel.TrainParallel`;
+  the names of both megatron-core layer specs are accepted (:mod:`weightsync.sync.names`);
+* the engine URLs (the engines' layouts, parameter tables and transport are discovered from what
+  sglang publishes, :mod:`weightsync.sync.engines`);
+* an :class:`UpdaterConfig` (mode, bucket size, transport, verification, deadlines);
+* an explicit process group of the trainer ranks (never the default group deep inside).
+
+Construction computes this rank's share of the static plan once, registers memory once and
+checks everything before any byte moves; it is collective over the group. Rank 0 of the group
+drives the engines' control endpoints over HTTP; every rank writes.
+
+One update (:meth:`WeightUpdater.update`, collective over the group)::
+
+    pause_generation -> begin_weight_update            (rank 0)
+    write                                              (every rank: p2p replays its plan share;
+                                                        broadcast: the stage sources broadcast
+                                                        over a group, or, colocated, hand full
+                                                        tensors over by IPC)
+    wait                                               (every rank reports; any error stops here)
+    end_weight_update                                  (rank 0; the engines' post-load)
+    verify                                             (every ``verify_every`` updates: checksums)
+    update_weight_version -> continue_generation       (rank 0)
+
+On any failure the engines stay paused and :class:`UpdateError` names the failing rank or
+engine (:func:`_held`). :meth:`WeightUpdater.refresh` picks up engines added or restarted
+between updates; :meth:`WeightUpdater.close` releases everything.
+
+Typical usage (every trainer rank)::
+
+    group = torch.distributed.new_group(backend="gloo")       # the trainer ranks
+    with WeightUpdater(params, spec=spec, train=train, engine_urls=urls, group=group,
+                       config=UpdaterConfig(mode="p2p")) as updater:
+        for step in range(1, steps + 1):
+            train_step()
+            stats = updater.update(step)      # UpdateStats (rank 0's phases)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.layout.megatron import trainer_layout
+from weightsync.layout.sglang import engine_layout
+from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
+from weightsync.models.spec import ModelSpec
+from weightsync.plan.broadcast import DEFAULT_BUCKET_BYTES, plan_broadcast, stage_sources
+from weightsync.plan.inputs import PlanInputs, build_inputs
+from weightsync.plan.records import Mode
+from weightsync.proc import free_port
+from weightsync.sync.broadcast_sender import BroadcastSender, announcement
+from weightsync.sync.names import module_tensors, place_params
+from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, P2PSender, dest_rank_from_info
+from weightsync.sync.tensor_sender import TensorSender
+from weightsync.sync.verify import Verifier
+from weightsync.transport import TransportConfig
+
+if TYPE_CHECKING:  # the HTTP client (httpx) is imported only by an updater that drives engines
+    from weightsync.sync.engines import Engines
+
+log = logging.getLogger(__name__)
+
+MODES = ("p2p", "broadcast", "both")
+
+
+class UpdateError(RuntimeError):
+    """An update failed; the message names the failing trainer rank or engine. The engines stay
+    paused (their weights may be partly written): update again, or restart them."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdaterConfig:
+    """How a :class:`WeightUpdater` moves the weights."""
+
+    mode: str = "p2p"
+    """``p2p``, ``broadcast``, or ``both`` (both set up; updates alternate p2p, broadcast, ...
+    unless :meth:`WeightUpdater.update` is given a mode)."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Broadcast buckets and p2p staging buckets (converted tensors), in bytes (1 GiB)."""
+    transport: str | TransportConfig = "auto"
+    """p2p transport: ``auto`` (the one the engines publish), a kind (``shm``, ``cuda_ipc``,
+    ``mooncake``), or a full :class:`TransportConfig` (backend options)."""
+    colocated: bool = False
+    """Trainer ranks share GPUs with the engines: broadcast hands full tensors over through
+    ``/update_weights_from_tensor`` (NCCL cannot put two ranks of a group on one GPU)."""
+    verify_every: int = 1
+    """Compare every engine parameter's checksum with the trainer's weights after every
+    ``verify_every``-th update (the first included); 0: never."""
+    deadline_s: float = 300.0
+    """A p2p write not complete within this long fails the update."""
+    http_timeout_s: float = 600.0
+    """Per engine HTTP request."""
+    master_address: str = "127.0.0.1"
+    """Broadcast over a group: the address the engines reach the stage sources' group stores at."""
+    group_prefix: str = "weightsync"
+    """Broadcast over a group: names of the weight-update groups are ``{prefix}_src{rank}_{n}``."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.verify_every < 0:
+            raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
+        if self.deadline_s <= 0 or self.http_timeout_s <= 0:
+            raise ValueError("deadline_s and http_timeout_s must be positive")
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        """The transfer modes set up, in the order updates alternate them."""
+        return (Mode.P2P, Mode.BROADCAST) if self.mode == "both" else (Mode(self.mode),)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdateStats:
+    """One update, as rank 0 of the group timed it (pack and wire: the slowest rank's)."""
+
+    version: str
+    mode: str
+    """``p2p`` or ``broadcast``."""
+    path: str
+    """``p2p``, ``group`` (broadcast over a weight-update group) or ``tensor`` (colocated)."""
+    update_s: float
+    """From the return of ``pause_generation`` to the return of ``continue_generation``, the
+    verify phase left out (it is reported on its own)."""
+    phases: dict[str, float]
+    """``pause``, ``pack``, ``wire``, ``barrier`` (the rest of the write phase, begin included),
+    ``post_load`` (``end_weight_update``), ``resume`` (version + continue); ``verify``."""
+    bytes: int
+    """Bytes put on links (broadcast: what every rollout rank receives, summed)."""
+    bytes_per_receiver: dict[int, int]
+    buckets: int
+    post_load_engine_s: float
+    """The engines' own post-load time (the slowest)."""
+    verified: bool | None
+    """True: every engine parameter's checksum matched; None: not verified this update."""
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
+    """Each trainer rank's write stats."""
+
+    @property
+    def write_s(self) -> float:
+        return self.phases["pack"] + self.phases["wire"] + self.phases["barrier"]
+
+    @property
+    def gb_per_s(self) -> float:
+        """Bytes moved per second of the write phase (GB = 1e9 bytes)."""
+        return self.bytes / 1e9 / self.write_s if self.write_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["bytes_per_receiver"] = {str(k): v for k, v in sorted(self.bytes_per_receiver.items())}
+        out["gb_per_s"] = self.gb_per_s
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Discovered:
+    """What rank 0 learnt from the engines (broadcast to every rank)."""
+
+    rollout: RolloutParallel
+    infos: dict[int, dict[str, Any]] | None
+    kind: str | None
+
+
+class WeightUpdater:
+    """Moves one trainer rank's weights into the engines (see the module docstring)."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, spec: ModelSpec,
+                 train: TrainParallel, engine_urls: Sequence[str] | None, group: Any,
+                 config: UpdaterConfig | None = None, rollout: RolloutParallel | None = None,
+                 published: Mapping[int, Mapping[str, Any]] | None = None,
+                 broadcast_group: Mapping[str, Any] | None = None,
+                 source_regions: Sequence[tuple[str, torch.Tensor]] | None = None,
+                 placement: tuple[Sequence[Device], Sequence[Device]] | None = None) -> None:
+        """Set everything up (collective over ``group``).
+
+        Args:
+            params: this rank's parameters (names of either megatron-core spec), contiguous
+                tensors that stay allocated; updated in place by the training step.
+            spec: the model (``weightsync.models.resolve.model_spec``).
+            train: the training job's parallel sizes; ``world_size`` must be ``group``'s size.
+            engine_urls: one base URL per engine; None only with ``published`` (no engine to
+                drive: :meth:`write` only, as the benchmark uses it).
+            group: the trainer ranks' process group (gloo: the control messages are host objects).
+            config: how to update (default :class:`UpdaterConfig`).
+            rollout: the engines' layout; default: read from their ``/server_info``.
+            published: rollout rank -> what it published (``session_id``, ``weights``,
+                ``descriptor``); default: read from the engines.
+            broadcast_group: without engines, the weight-update groups the stage sources host
+                (:class:`BroadcastSender`'s ``group``); the receivers join them themselves.
+            source_regions: memory to register as the p2p write source (default: each parameter).
+            placement: (trainer devices, rollout devices) for the plan's holder rule.
+
+        Raises:
+            ValueError: a parameter that cannot be placed, engines of another layout or model,
+                a transport the engines do not receive through (all named, before any write).
+            UpdateError: an engine could not be reached (named).
+        """
+        self.config = config or UpdaterConfig()
+        self.spec = spec
+        self.train = train
+        self.pg = group
+        self.rank = dist.get_rank(group)
+        if dist.get_world_size(group) != train.world_size:
+            raise ValueError(f"the group has {dist.get_world_size(group)} ranks, the training job "
+                             f"{train.world_size} ({train}): pass the group of every trainer rank")
+        self.params = self._agree(lambda: place_params(params, spec, train, self.rank), "placing the parameters")
+        self.device = next(iter(self.params.values())).device
+        self.engines: Engines | None = None
+        if engine_urls is not None:
+            self.engines = _engines(engine_urls, self.config.http_timeout_s)
+        elif published is None or rollout is None:
+            raise ValueError("give engine_urls, or rollout and published (no engine to drive)")
+        self._source_regions = source_regions
+        self._placement = placement
+        self._broadcast_group_given = broadcast_group
+        self._fixed = (rollout, published)
+        self.plan_s = 0.0
+        self.num_ops = 0
+        self._count = 0
+        self._generation = 0
+        self.p2p_sender: P2PSender | None = None
+        self._bcast: BroadcastSender | None = None
+        self._tensor: TensorSender | None = None
+        self._verifier: Verifier | None = None
+        self._groups: dict[str, str] = {}
+        self.inputs: PlanInputs
+        self._set_up(self._discover())
+
+    # -- construction helpers ------------------------------------------------------------------
+
+    @classmethod
+    def from_megatron(cls, model: torch.nn.Module, *, spec: ModelSpec, engine_urls: Sequence[str], group: Any,
+                      config: UpdaterConfig | None = None, **kwargs: Any) -> WeightUpdater:
+        """A :class:`WeightUpdater` for this rank of a megatron-core ``GPTModel`` (either layer spec).
+
+        The parallel sizes come from megatron-core's ``parallel_state`` (and the model's config);
+        the rank is this process's rank in ``group``, whose order must be megatron's.
+
+        Raises:
+            ValueError: megatron's parallel state is not initialized, or its ranks are not
+                ``group``'s (the message says which coordinate differs); see :meth:`__init__`.
+        """
+        train = megatron_train_parallel(model, spec, group)
+        return cls(module_tensors(model), spec=spec, train=train, engine_urls=engine_urls, group=group,
+                   config=config, **kwargs)
+
+    def _from_rank0(self, fn: Any) -> Any:
+        """``fn()`` on rank 0, its result (or error) on every rank.
+
+        Raises:
+            ValueError: ``fn`` raised one (a mismatch); UpdateError: any other failure.
+        """
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", fn())
+            except Exception as exc:  # shipped to every rank, which all raise it
+                box[0] = ("error", isinstance(exc, ValueError), str(exc))
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        if box[0][0] == "error":
+            _, mismatch, msg = box[0]
+            raise (ValueError if mismatch else UpdateError)(msg)
+        return box[0][1]
+
+    def _agree(self, fn: Any, what: str) -> Any:
+        """``fn()`` on every rank; when any rank fails, every rank raises with every rank's error.
+
+        Raises:
+            ValueError: some rank raised one; UpdateError: some rank failed otherwise.
+        """
+        result, error = None, None
+        try:
+            result = fn()
+        except Exception as exc:  # shipped to every rank
+            error = (isinstance(exc, ValueError), f"trainer rank {self.rank}: {exc}")
+        everyone: list[Any] = [None] * self.train.world_size
+        dist.all_gather_object(everyone, error, group=self.pg)
+        bad = [e for e in everyone if e]
+        if bad:
+            msg = f"{what}: " + "; ".join(m for _, m in bad)
+            raise (ValueError if any(v for v, _ in bad) else UpdateError)(msg)
+        return result
+
+    def _discover(self) -> _Discovered:
+        rollout, published = self._fixed
+        if published is not None and rollout is not None:
+            kinds = {str(i["descriptor"]["kind"]) if i.get("descriptor") else SGLANG_TRANSPORT
+                     for i in published.values()}
+            return _Discovered(rollout=rollout, infos={int(k): dict(v) for k, v in published.items()},
+                               kind=kinds.pop() if len(kinds) == 1 else None)
+        assert self.engines is not None
+
+        def find() -> _Discovered:
+            assert self.engines is not None
+            r = rollout or self.engines.rollout_parallel()
+            if Mode.P2P not in self.config.modes:
+                return _Discovered(rollout=r, infos=None, kind=None)
+            inputs = self._inputs(r)
+            want = self.config.transport
+            kind = want.kind.value if isinstance(want, TransportConfig) else None if want == "auto" else str(want)
+            infos = self.engines.transfer_infos(r, inputs.dest_layout, kind)
+            first = next(iter(infos.values()))
+            found = str(first["descriptor"]["kind"]) if first.get("descriptor") else SGLANG_TRANSPORT
+            return _Discovered(rollout=r, infos=infos, kind=found)
+
+        return self._from_rank0(find)
+
+    def _inputs(self, rollout: RolloutParallel) -> PlanInputs:
+        return build_inputs(self.spec, self.train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout,
+                            placement=self._placement)
+
+    def _transport(self, kind: str | None) -> TransportConfig:
+        want = self.config.transport
+        if isinstance(want, TransportConfig):
+            cfg = want
+        else:
+            chosen = kind if want == "auto" else str(want)
+            if chosen is None:
+                raise ValueError("the engines publish different transports: pass UpdaterConfig(transport=...)")
+            cfg = TransportConfig(kind=chosen)
+        return cfg.on_device(self.device.index if self.device.type == "cuda" else None)
+
+    def _set_up(self, found: _Discovered) -> None:
+        """Plan, connect and register (collective); every rank's failure is reported on all."""
+        self.discovered = found
+        self.inputs = self._inputs(found.rollout)
+        if Mode.P2P in self.config.modes:
+            self._agree(lambda: self._set_up_p2p(found), "p2p set-up")
+        if Mode.BROADCAST in self.config.modes:
+            self._set_up_broadcast()
+        if self.config.verify_every:
+            self._verifier = self._agree(lambda: Verifier(self._gatherer(), self.inputs, rank=self.rank, pg=self.pg,
+                                                          bucket_bytes=self.config.bucket_bytes), "verifier set-up")
+
+    def _set_up_p2p(self, found: _Discovered) -> None:
+        from weightsync.plan.p2p import plan_p2p_for_rank
+
+        assert found.infos is not None
+        t0 = time.perf_counter()
+        ops = plan_p2p_for_rank(self.inputs, src_rank=self.rank).ops
+        self.plan_s = time.perf_counter() - t0
+        self.num_ops = len(ops)
+        needed = sorted({op.dst_rank for op in ops})
+        dests = {r: dest_rank_from_info(r, found.infos[r], self.inputs.dest_layout(r)) for r in needed}
+        blocks = {g.name: g.block for g in self.inputs.globals.values() if g.block is not None and g.quant_of is None}
+        self.transport_config = self._transport(found.kind)
+        self.p2p_sender = P2PSender(ops, self.params, self.transport_config.make(), dests,
+                                    bucket_bytes=self.config.bucket_bytes, source_regions=self._source_regions,
+                                    fp8_blocks=blocks)
+
+    def _gatherer(self) -> BroadcastSender:
+        if self._bcast is None:
+            self._bcast = BroadcastSender(self.spec, self.inputs, self.rank, trainer_layout(self.spec, self.train,
+                                                                                             self.rank),
+                                          self.params, group=None, device=self.device.type, pg=self.pg)
+        return self._bcast
+
+    def _set_up_broadcast(self) -> None:
+        self._buckets = plan_broadcast(self.inputs, bucket_bytes=self.config.bucket_bytes, dst_rank=0).buckets
+        tp = self.inputs.rollout.tp
+        if self.config.colocated:
+            self._tensor = self._agree(lambda: TensorSender(self._gatherer(), self.engines, tp=tp), "broadcast set-up")
+            return
+        layout = trainer_layout(self.spec, self.train, self.rank)
+        if self._broadcast_group_given is not None:
+            given = self._broadcast_group_given
+            self._bcast = self._agree(lambda: BroadcastSender(self.spec, self.inputs, self.rank, layout, self.params,
+                                                              group=given, device=self.device.type, pg=self.pg),
+                                      "broadcast set-up")
+            return
+        assert self.engines is not None
+        self._generation += 1
+        sources = sorted(set(stage_sources(self.inputs).values()))
+        host = self.config.master_address
+        mine = {str(self.rank): free_port(host)} if self.rank in sources else {}
+        everyone: list[Any] = [None] * self.train.world_size
+        dist.all_gather_object(everyone, mine, group=self.pg)
+        ports = {k: v for part in everyone for k, v in part.items()}
+        world = 1 + self.inputs.rollout.world_size
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        names = {str(s): f"{self.config.group_prefix}_src{s}_{self._generation}" for s in sources}
+        group = {"master_address": host, "world_size": world, "backend": backend, "ports": ports,
+                 "group_names": names}
+        joins = []
+        if self.rank == 0:  # the engines join while the sources host their groups (both block)
+            joins = [self.engines.submit(c.init_weights_update_group, master_address=host,
+                                         master_port=int(ports[str(s)]), rank_offset=1 + e * tp, world_size=world,
+                                         group_name=names[str(s)], backend=backend)
+                     for s in sources for e, c in enumerate(self.engines.clients)]
+
+        def join() -> BroadcastSender:
+            sender = BroadcastSender(self.spec, self.inputs, self.rank, layout, self.params, group=group,
+                                     device=self.device.type, pg=self.pg)
+            failed = []
+            for j in joins:
+                try:
+                    j.result()
+                except Exception as exc:  # an engine's HTTP error, reported on every rank
+                    failed.append(f"init_weights_update_group: {exc}")
+            if failed:
+                raise UpdateError("; ".join(failed))
+            return sender
+
+        self._groups = names
+        self._bcast = self._agree(join, "broadcast set-up (joining the weight-update groups)")
+
+    # -- the update -----------------------------------------------------------------------------
+
+    def _due(self) -> bool:
+        k = self.config.verify_every
+        return bool(k) and (self._count - 1) % k == 0
+
+    def update(self, version: int | str, *, mode: str | Mode | None = None) -> UpdateStats:
+        """One whole update into every engine (collective over the group; see the module docstring).
+
+        Args:
+            version: the weight version the engines report afterwards.
+            mode: ``p2p`` or ``broadcast`` (one that was set up); default: alternate the set-up modes.
+
+        Returns:
+            The update's stats (the same on every rank).
+
+        Raises:
+            UpdateError: a rank's write, an engine call or the verification failed (named); the
+                engines stay paused.
+        """
+        if self.engines is None:
+            raise UpdateError("this updater drives no engines (it was built from published tables): use write()")
+        m = self._mode(mode)
+        self._count += 1
+        version = str(version)
+        eng = self.engines
+        marks: dict[str, float] = {}
+
+        def pause_begin() -> None:
+            marks["t0"] = time.perf_counter()
+            eng.each(lambda c: c.pause_generation(), what="pause_generation")
+            marks["t1"] = time.perf_counter()
+            eng.each(lambda c: c.begin_weight_update(), what="begin_weight_update")
+
+        try:
+            self._from_rank0(pause_begin)
+        except (UpdateError, ValueError) as exc:
+            _held(version, [str(exc)])
+        error = None
+        local: dict[str, Any] = {}
+        try:
+            local = self.write(m)
+        except Exception as exc:  # every rank's failure is reported on all
+            error = f"trainer rank {self.rank}: {m} write: {type(exc).__name__}: {exc}"
+        everyone: list[Any] = [None] * self.train.world_size
+        dist.all_gather_object(everyone, (error, local), group=self.pg)
+        marks["t2"] = time.perf_counter()
+        errors = [e for e, _ in everyone if e]
+        if errors:
+            _held(version, errors)
+        results = [r for _, r in everyone]
+
+        def end() -> list[Any]:
+            ends = eng.each(lambda c: c.end_weight_update(), what="end_weight_update")
+            marks["t3"] = time.perf_counter()
+            return ends
+
+        try:
+            ends = self._from_rank0(end)
+        except (UpdateError, ValueError) as exc:
+            _held(version, [str(exc)])
+        verified: bool | None = None
+        tv = time.perf_counter()
+        if self._verifier is not None and self._due():
+            expected = self._verifier.expected()
+            bad = self._from_rank0(lambda: self._verifier.compare(eng, expected))  # type: ignore[union-attr]
+            if bad:
+                _held(version, ["checksums differ: " + "; ".join(bad)])
+            verified = True
+        verify_s = time.perf_counter() - tv
+
+        def finish() -> dict[str, float]:
+            t = time.perf_counter()
+            eng.each(lambda c: c.update_weight_version(version), what="update_weight_version")
+            eng.each(lambda c: c.continue_generation(), what="continue_generation")
+            return {"resume": time.perf_counter() - t, **marks}
+
+        try:
+            times = self._from_rank0(finish)
+        except (UpdateError, ValueError) as exc:
+            _held(version, [str(exc)])
+        return self._stats(version, m, results, ends, times, verify_s, verified)
+
+    def _mode(self, mode: str | Mode | None) -> Mode:
+        modes = self.config.modes
+        m = modes[self._count % len(modes)] if mode is None else Mode.parse(str(mode))
+        if m not in modes:
+            raise ValueError(f"mode {m} was not set up (UpdaterConfig(mode={self.config.mode!r}))")
+        return m
+
+    def _stats(self, version: str, mode: Mode, results: list[dict[str, Any]], ends: list[Any],
+               times: dict[str, float], verify_s: float, verified: bool | None) -> UpdateStats:
+        pack = max(r["pack_s"] for r in results)
+        wire = max(r["wire_s"] for r in results)
+        write = times["t2"] - times["t1"]
+        by_dest: dict[int, int] = defaultdict(int)
+        if mode is Mode.P2P:
+            for r in results:
+                for d, n in r["bytes_by_dest"].items():
+                    by_dest[int(d)] += n
+            nbytes = sum(r["bytes"] for r in results)
+            buckets = sum(r["buckets"] for r in results)
+        else:
+            sent = sum(r["bytes"] for r in results)
+            by_dest = defaultdict(int, dict.fromkeys(range(self.inputs.rollout.world_size), sent))
+            nbytes = sent * self.inputs.rollout.world_size
+            buckets = len(self._buckets)
+        post = [e.get("post_load_seconds", 0.0) if isinstance(e, dict) else 0.0 for e in ends]
+        phases = {"pause": times["t1"] - times["t0"], "pack": pack, "wire": wire,
+                  "barrier": max(0.0, write - pack - wire), "post_load": times["t3"] - times["t2"],
+                  "resume": times["resume"], "verify": verify_s}
+        update_s = sum(v for k, v in phases.items() if k not in ("pause", "verify"))
+        return UpdateStats(version=version, mode=mode.value, path=self._path(mode), update_s=update_s, phases=phases,
+                           bytes=nbytes, bytes_per_receiver=dict(by_dest), buckets=buckets,
+                           post_load_engine_s=max(post, default=0.0), verified=verified, per_rank=results)
+
+    def _path(self, mode: Mode) -> str:
+        if mode is Mode.P2P:
+            return "p2p"
+        return "tensor" if self.config.colocated else "group"
+
+    def write(self, mode: str | Mode = Mode.P2P) -> dict[str, Any]:
+        """Only the write phase of an update, on this rank (collective over the group for
+        broadcast): no engine control call except broadcast's per-bucket announcement.
+
+        Returns:
+            This rank's ``{"pack_s", "wire_s", "bytes", "bytes_by_dest", "buckets", "total_s"}``.
+        """
+        m = Mode.parse(str(mode))
+        if m is Mode.P2P:
+            if self.p2p_sender is None:
+                raise ValueError("p2p was not set up (UpdaterConfig(mode='p2p' or 'both'))")
+            s = self.p2p_sender.send(deadline_s=self.config.deadline_s)
+            return {"pack_s": s.pack_s, "wire_s": s.wire_s, "total_s": s.total_s, "bytes": s.nbytes,
+                    "bytes_by_dest": s.bytes_by_dest, "buckets": self.p2p_sender.num_buckets}
+        if Mode.BROADCAST not in self.config.modes:
+            raise ValueError("broadcast was not set up (UpdaterConfig(mode='broadcast' or 'both'))")
+        t0 = time.perf_counter()
+        pack = wire = 0.0
+        sent = 0
+        for b in self._buckets:
+            if self._tensor is not None:
+                r = self._tensor.send_bucket(b.names)
+            else:
+                r = self._send_group_bucket(b)
+            pack += r["pack_s"]
+            wire += r["wire_s"]
+            sent += r["bytes"]
+        return {"pack_s": pack, "wire_s": wire, "total_s": time.perf_counter() - t0, "bytes": sent,
+                "bytes_by_dest": {}, "buckets": len(self._buckets)}
+
+    def _send_group_bucket(self, bucket: Any) -> dict[str, Any]:
+        """One bucket over the weight-update groups: rank 0 announces it to the engines (which
+        then receive) while the sources broadcast."""
+        assert self._bcast is not None
+        announce = None
+        if self.rank == 0 and self.engines is not None and self._groups:
+            names, dtypes, shapes = announcement(self.inputs, bucket.names)
+            group_name = self._groups[str(bucket.src_rank)]
+            eng = self.engines
+            announce = eng.submit(eng.each, lambda c: c.update_weights_from_distributed(
+                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=False),
+                what="update_weights_from_distributed")
+        r = self._bcast.send_bucket(bucket.names)
+        if announce is not None:
+            announce.result()
+        return r
+
+    def full_tensors(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The trainer's full (global) tensors, bucket by bucket of the broadcast plan, in the
+        trainer's dtype: on each stage source the tensors of its stage, {} elsewhere (collective
+        over the group: every rank must exhaust the iterator)."""
+        buckets = plan_broadcast(self.inputs, bucket_bytes=self.config.bucket_bytes, dst_rank=0).buckets
+        for b in buckets:
+            weights = [n for n in b.names if self.inputs.globals[n].quant_of is None]
+            yield self._gatherer().full_tensors(b.src_rank, weights)
+
+    # -- engines between updates ----------------------------------------------------------------
+
+    def refresh(self, engine_urls: Sequence[str] | None = None) -> bool:
+        """Pick up engines added (``engine_urls``: the new list, the same on every rank) or
+        restarted since the last update (collective over the group).
+
+        Returns:
+            True when something changed and the senders were rebuilt (new plan share when the
+            engine count changed, new addresses and transport connections otherwise).
+
+        Raises:
+            ValueError / UpdateError: as at construction.
+        """
+        if self.engines is None:
+            raise UpdateError("this updater drives no engines (it was built from published tables)")
+        old = self.discovered
+        new_urls = engine_urls is not None and list(engine_urls) != self.engines.urls
+        if new_urls:
+            self._leave_groups()
+            self.engines.close()
+            self.engines = _engines(engine_urls or (), self.config.http_timeout_s)
+        found = self._discover()
+        # A restarted engine publishes new addresses (p2p sees it); it has also left the
+        # weight-update groups, which nothing published shows: those are always joined again.
+        groups = Mode.BROADCAST in self.config.modes and not self.config.colocated
+        if found == old and not new_urls and not groups:
+            return False
+        self._close_senders()
+        self._set_up(found)
+        return True
+
+    # -- resources ------------------------------------------------------------------------------
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for updates: its parameters (the training job's own memory), the
+        p2p staging buffers, the colocated broadcast's flat buffer, the verifier's host copies."""
+        out = {"params": sum(t.numel() * t.element_size() for t in self.params.values())}
+        if self.p2p_sender is not None:
+            out["p2p_staging"] = self.p2p_sender.staging_bytes
+        if self._tensor is not None:
+            out["tensor_buffer"] = self._tensor.buffer_bytes
+        if self._verifier is not None:
+            out["verify_host_copies"] = self._verifier.host_bytes
+        return out
+
+    @property
+    def transport(self) -> Any:
+        """The p2p transport (None when p2p is not set up)."""
+        return None if self.p2p_sender is None else self.p2p_sender.transport
+
+    def _leave_groups(self) -> None:
+        if self.rank != 0 or self.engines is None:
+            return
+        for name in self._groups.values():
+            for e, c in enumerate(self.engines.clients):
+                try:
+                    c.destroy_weights_update_group(name)
+                except Exception as exc:  # best effort: the engine may be stopping
+                    log.warning("[rank%d] engine %d: could not leave weight-update group %s: %s", self.rank, e, name,
+                                exc)
+        self._groups = {}
+
+    def _close_senders(self) -> None:
+        self._leave_groups()  # the engines first: then the sources' side of the groups
+        if self.p2p_sender is not None:
+            self.p2p_sender.close()
+            self.p2p_sender = None
+        if self._bcast is not None:
+            group = self._bcast.group
+            if group is not None and hasattr(group, "shutdown"):
+                group.shutdown()
+            self._bcast.close()
+            self._bcast = None
+        if self._tensor is not None:
+            self._tensor.close()
+            self._tensor = None
+        if self._verifier is not None:
+            self._verifier.close()
+            self._verifier = None
+
+    def close(self) -> None:
+        """Release registrations, connections, buffers and the engines' weight-update groups
+        (idempotent; the engines keep running)."""
+        self._close_senders()
+        if self.engines is not None:
+            self.engines.close()
+            self.engines = None
+
+    def __enter__(self) -> WeightUpdater:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _engines(urls: Sequence[str], timeout_s: float) -> Engines:
+    from weightsync.sync.engines import Engines
+
+    return Engines(list(urls), timeout_s=timeout_s)
+
+
+def _held(version: str, errors: Sequence[str]) -> None:
+    """The failure step of an update: the engines stay paused, the error names the cause.
+
+    Raises:
+        UpdateError: always.
+    """
+    log.error("update to version %s failed, engines left paused: %s", version, "; ".join(errors))
+    raise UpdateError(f"update to version {version} failed; the engines stay paused (their weights may be partly "
+                      f"written: update again or restart them): " + "; ".join(errors))
+
+
+def megatron_train_parallel(model: torch.nn.Module, spec: ModelSpec, group: Any) -> TrainParallel:
+    """The :class:`TrainParallel` of a live megatron-core job, from its ``parallel_state``.
+
+    Raises:
+        ValueError: the parallel state is not initialized, or this rank's megatron coordinates
+            are not those of its rank in ``group`` (naming the coordinate).
+    """
+    from megatron.core import parallel_state as ps
+
+    from weightsync.layout.megatron import MLA_DOWN_PROJ, train_coords
+
+    if not ps.model_parallel_is_initialized():
+        raise ValueError("megatron-core's parallel state is not initialized (initialize_model_parallel first)")
+    config = getattr(model, "config", None)
+    replicated = False
+    if spec.is_mla and ps.get_tensor_model_parallel_world_size() > 1:
+        whole = spec.kv_lora_rank + spec.qk_rope_head_dim
+        replicated = any(n.endswith(MLA_DOWN_PROJ[1]) and p.shape[0] == whole for n, p in model.named_parameters())
+    train = TrainParallel(
+        world_size=dist.get_world_size(group), tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(), cp=ps.get_context_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
+        pp_last_stage_layers=getattr(config, "num_layers_in_last_pipeline_stage", None),
+        sequence_parallel=bool(getattr(config, "sequence_parallel", False)), mla_down_proj_replicated=replicated)
+    c = train_coords(train, dist.get_rank(group))
+    have = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+            "ep": ps.get_expert_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank()}
+    bad = [f"{k}: megatron {v}, group rank {dist.get_rank(group)} -> {getattr(c, k)}" for k, v in have.items()
+           if getattr(c, k) != v]
+    if bad:
+        raise ValueError("megatron-core's rank order is not the group's (Megatron's default order tp-cp-ep-dp-pp is "
+                         "expected): " + "; ".join(bad))
+    return train
+
+
+__all__ = ["UpdateError", "UpdateStats", "UpdaterConfig", "WeightUpdater", "megatron_train_parallel"]
