@@ -138,12 +138,15 @@ class Worker:
 
     def setup_updater(self, arg: dict[str, Any]) -> dict[str, Any]:
         """Build this rank's :class:`WeightUpdater` (collective)."""
-        from weightsync.sync.names import module_tensors
         from weightsync.sync.updater import WeightUpdater
 
-        params = module_tensors(self.params) if isinstance(self.params, torch.nn.Module) else self.params
-        self.updater = WeightUpdater(params, spec=self.spec, train=self.cfg.train, engine_urls=arg["engine_urls"],
-                                     group=self.group, config=arg["config"], source_regions=self.regions)
+        if isinstance(self.params, torch.nn.Module):  # sizes from megatron-core's parallel state
+            self.updater = WeightUpdater.from_megatron(self.params, spec=self.spec, engine_urls=arg["engine_urls"],
+                                                       group=self.group, config=arg["config"])
+        else:
+            self.updater = WeightUpdater(self.params, spec=self.spec, train=self.cfg.train,
+                                         engine_urls=arg["engine_urls"], group=self.group, config=arg["config"],
+                                         source_regions=self.regions)
         sender = self.updater.p2p_sender
         return {"ops": self.updater.num_ops, "plan_s": self.updater.plan_s,
                 "bytes": 0 if sender is None else sender.bytes_direct + sender.bytes_staged,
@@ -221,6 +224,10 @@ def trainer_gpu(rank: int) -> int:
 
 def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:
     """Entry point of a spawned trainer rank: serve commands until STOP (or the pipe closes)."""
+    from weightsync.launch.config import env_token
+    from weightsync.sync.engine_client import configure_token
+
+    configure_token(env_token())  # the engines' token, inherited from the launcher
     logging.basicConfig(level=logging.INFO, format=f"[trainer rank{rank}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise
     torch.set_num_threads(1)
