@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 
+from weightsync.proc import free_port
 from weightsync.transport import HOST, PeerDescriptor, deadline_after, make_transport
 
 CPU_KINDS = ("shm", "mooncake", "dist")
@@ -137,14 +138,6 @@ class Receiver:
 
 # ----------------------------------------------------------------------------------------------
 # CPU
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench_memcpy(nbytes: int, repeats: int) -> dict[str, Any]:

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -54,12 +53,6 @@ DENSE, MOE = "Qwen3-4B", "Qwen3-30B-A3B"
 MLA_MODELS = ("Kimi-K2", "GLM-4.7-Flash", "GLM-5")
 OTHER_MODELS = ("GLM-4.5-Air", *MLA_MODELS)
 """The families beyond Qwen3 dense / MoE (logits at tiny scale with --all-families)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train_parallel(model: str) -> Any:
@@ -293,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = _plan(args, ckpt_root)
         out_dir = Path(tmp) / "results"
         out_dir.mkdir()
-        mp.spawn(_worker, args=(plan, _free_port(), args.device, str(out_dir), args.steps, args.lr), nprocs=WORLD)
+        from weightsync.proc import free_port
+
+        mp.spawn(_worker, args=(plan, free_port(), args.device, str(out_dir), args.steps, args.lr), nprocs=WORLD)
         per_rank = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     checks = per_rank[0]
     for other in per_rank[1:]:  # a failure on any rank fails the check
