@@ -1,7 +1,8 @@
 """Contract of the HTTP API (in-process app over a one-rank engine): sglang's routes and shapes,
 bad input -> 400 with a message while the server keeps serving, the state machine (queued while
-paused/updating, 409 for an update while generating, dirty weights never served), the checker
-cycle over HTTP, and refusal of mismatched checkpoints with their tensor names.
+paused/updating, 409 for an update while generating, a write outside a session is a 400, dirty
+weights never served), the checker cycle over HTTP, and refusal of mismatched checkpoints with
+their tensor names.
 """
 
 from __future__ import annotations
@@ -195,12 +196,14 @@ def test_update_while_generating_is_409_and_pause_abort_stops_it(client: TestCli
     _wait_running(client)
     for path, body in [
         ("/begin_weight_update", None),
-        ("/update_weights_from_disk", {"model_path": ckpt}),
         ("/weights_checker", {"action": "reset_tensors"}),
     ]:
         r = client.post(path, json=body)
         assert r.status_code == 409, (path, r.text)
         assert "pause_generation" in _message(r)
+    outside = client.post("/update_weights_from_disk", json={"model_path": ckpt})
+    assert outside.status_code == 400, outside.text
+    assert "must run between begin_weight_update() and end_weight_update()" in _message(outside)
     assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
     out = running.result(timeout=60).json()
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
@@ -230,6 +233,8 @@ def test_pause_retract_requeues_and_paused_requests_queue(client: TestClient) ->
 
 def test_update_states_and_dirty_weights_are_never_served(client: TestClient, ckpt: str) -> None:
     assert client.post("/end_weight_update").status_code == 409
+    assert client.post("/begin_weight_update").status_code == 409, "a session opens on a paused engine only"
+    assert client.post("/pause_generation").status_code == 200
     assert client.post("/begin_weight_update").status_code == 200
     assert client.post("/begin_weight_update").status_code == 409
     pool, queued = _background(client, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
@@ -239,18 +244,24 @@ def test_update_states_and_dirty_weights_are_never_served(client: TestClient, ck
     r = client.post("/end_weight_update").json()
     assert r["success"]
     assert r["post_load_seconds"] >= 0
+    assert (r["state"], r["weights_dirty"]) == ("paused", False), "nothing was written: paused, clean"
+    assert client.post("/continue_generation").status_code == 200
     assert queued.result(timeout=60).status_code == 200
-    # reset_tensors makes the weights dirty: continue is refused until an update completes.
+    # reset_tensors makes the weights dirty: generation and continue are refused until an update
+    # session writes and publishes.
     assert client.post("/pause_generation").status_code == 200
     assert client.post("/weights_checker", json={"action": "snapshot"}).json()["success"]
     assert client.post("/weights_checker", json={"action": "reset_tensors"}).status_code == 200
     assert client.post("/continue_generation").status_code == 409
+    assert _gen(client).status_code == 503
     compare = client.post("/weights_checker", json={"action": "compare"})
     assert compare.status_code == 400
     assert not compare.json()["success"]
+    assert client.post("/begin_weight_update").status_code == 200
     upd = client.post("/update_weights_from_disk", json={"model_path": ckpt, "weight_version": "v2"})
     assert upd.status_code == 200, upd.text
     assert upd.json()["success"]
+    assert client.post("/end_weight_update").json()["weights_dirty"] is False, "the session's version is published"
     ok = client.post("/weights_checker", json={"action": "compare"}).json()
     assert ok["success"]
     assert ok["message"] == "All weights equal."
@@ -267,6 +278,8 @@ def test_mismatched_checkpoint_is_refused_with_names(client: TestClient, tmp_pat
     tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
     tensors["model.bogus.weight"] = torch.zeros(2)
     write_hf_checkpoint(tmp_path / "bad", tensors, hf_config_dict(spec))
+    assert client.post("/pause_generation").status_code == 200
+    assert client.post("/begin_weight_update").status_code == 200
     before = _state(client)
     r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "bad")})
     assert r.status_code == 400
@@ -281,8 +294,10 @@ def test_mismatched_checkpoint_is_refused_with_names(client: TestClient, tmp_pat
     ):
         assert needle in msg
     after = _state(client)
-    assert after["state"] == before["state"]
-    assert not after["weights_dirty"]
+    assert after["state"] == before["state"] == "updating"
+    assert not after["weights_dirty"], "a refused checkpoint writes nothing"
+    assert client.post("/end_weight_update").json()["weights_dirty"] is False
+    assert client.post("/continue_generation").status_code == 200
     assert _gen(client).status_code == 200
 
 
@@ -324,10 +339,12 @@ def test_broadcast_update_over_http(client: TestClient, ckpt: str, free_port: in
         "group_name": "g",
         "weight_version": "step-1",
     }
+    assert client.post("/begin_weight_update").status_code == 200
     upd = client.post("/update_weights_from_distributed", json=body)
     assert upd.status_code == 200, upd.text
     assert upd.json()["success"]
     sender.result(timeout=60)
+    assert client.post("/end_weight_update").json()["weights_dirty"] is False
     assert client.post("/weights_checker", json={"action": "compare"}).json()["success"]
     assert client.post("/continue_generation").status_code == 200
     assert _gen(client).json()["meta_info"]["weight_version"] == "step-1"

@@ -1,6 +1,8 @@
-"""Contract of the engine's p2p receiving end: with the ``shm`` transport every parameter lives
-inside the one registered region ``"params"`` of the published descriptor, and a writer on this
-host that connects with that descriptor writes straight into the engine's parameters.
+"""Contract of the engine's p2p receiving end: with the ``shm`` transport every published
+parameter address lies inside the one registered region ``"params"`` of the descriptor, a writer
+on this host that connects with that descriptor writes into the engine's inbox, and the served
+parameters change only when the inbox is committed (an update session's end); a refresh (a
+session's begin) wipes what was written into the inbox before.
 """
 
 from __future__ import annotations
@@ -24,18 +26,30 @@ def test_shm_receiver_publishes_one_region_and_takes_writes() -> None:
         assert desc.kind == "shm"
         assert desc.session_id == receiver.session_id
         region = desc.region(PARAMS_REGION)
-        for name, (ptr, numel, esize) in store.transfer_info().items():
+        assert receiver.staged
+        assert receiver.inbox is not None
+        for name, (ptr, numel, esize) in receiver.inbox.transfer_info().items():
             assert region.addr <= ptr, name
             assert ptr + numel * esize <= region.end, name
         assert all(torch.count_nonzero(t.view(torch.uint8)) == 0 for _, t in store.items()), "parameters start zeroed"
         name = "model.layers.1.mlp.experts.w2_weight"
-        dst = store[name]
+        dst = receiver.inbox[name]
         src = torch.randn(dst.shape).to(dst.dtype)
         writer.register_tensor("staging", src)
         peer = writer.connect(desc)
-        handle = writer.write(peer, [(src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size())])
-        writer.wait(handle, transport.deadline_after(30.0))
+
+        def write() -> None:
+            handle = writer.write(peer, [(src.data_ptr(), dst.data_ptr(), src.numel() * src.element_size())])
+            writer.wait(handle, transport.deadline_after(30.0))
+
+        write()
         assert torch.equal(dst, src)
+        assert torch.count_nonzero(store[name].view(torch.uint8)) == 0, "served parameters untouched by the write"
+        receiver.refresh(store)  # a session begins: what was written before it is gone
+        assert torch.count_nonzero(dst.view(torch.uint8)) == 0
+        write()
+        receiver.commit(store)  # the session ends: the inbox is served
+        assert torch.equal(store[name], src)
     finally:
         writer.close()
         store.close()

@@ -108,10 +108,12 @@ def test_two_rank_engine_serves_checks_and_stops(free_port: int, tmp_path: Path)
         assert check("snapshot").status_code == 200
         assert check("reset_tensors").status_code == 200
         assert check("compare").status_code == 400
+        assert httpx.post(f"{url}/begin_weight_update", json={}).status_code == 200
         upd = httpx.post(
             f"{url}/update_weights_from_disk", json={"model_path": str(ckpt), "weight_version": "1"}, timeout=60
         )
         assert upd.status_code == 200, upd.text
+        assert httpx.post(f"{url}/end_weight_update", json={}, timeout=60).json()["weights_dirty"] is False
         compare = check("compare").json()
         assert compare["success"]
         assert [r["rank"] for r in compare["ranks"]] == [0, 1]
@@ -159,6 +161,14 @@ def test_serve_cli_options_are_pinned() -> None:
         "--dist-port",
         "--compute-dtype",
         "--cpu-threads",
+        "--token-file",
+        "--api-docs",
+        "--die-with-parent",
+        "--max-request-mb",
+        "--max-queued-requests",
+        "--request-timeout-s",
+        "--group-timeout-s",
+        "--collective-timeout-s",
         "--log-level",
     }
     args = parser.parse_args(["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--dp", "2"])
@@ -184,13 +194,18 @@ def test_serve_passes_the_dense_tp_and_dp_lm_head_flags() -> None:
 @pytest.mark.timeout(180)
 def test_dead_rank_ends_the_engine(free_port: int, tmp_path: Path) -> None:
     """Rank 0 cannot leave a collective whose peer died: when a rank process dies, rank 0 exits
-    with status 1 instead of hanging."""
+    with status 1 instead of hanging, and no shm segment of either rank is left."""
+    from weightsync.transport.shm import list_segments, segment_owner
+
     log = tmp_path / "serve.log"
-    args = ["Qwen3-4B", "--scale", "tiny", "--tp", "2", "--load-format", "dummy"]
+    args = ["Qwen3-4B", "--scale", "tiny", "--tp", "2", "--load-format", "dummy", "--transport", "shm"]
     with _serve(args, free_port, log) as proc:
         _wait_answer(proc, free_port, 120.0, log)
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         workers = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
         assert len(workers) == 1, children
+        owners = {proc.pid, workers[0]}
+        assert {segment_owner(s)[0] for s in list_segments()} >= owners, "each rank holds a segment"
         os.kill(workers[0], signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
+    assert [s for s in list_segments() if segment_owner(s)[0] in owners] == []

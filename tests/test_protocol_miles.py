@@ -77,20 +77,23 @@ def client(served: tuple[TestClient, Engine]) -> TestClient:
     return served[0]
 
 
+def _load(client: TestClient, path: str, version: str | None = None) -> None:
+    """One update session on the paused engine: the checkpoint at ``path`` from disk, published
+    at ``version`` (None: the session ends unpublished, the weights dirty)."""
+    _ok(client.post("/begin_weight_update", json={}))
+    _ok(client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": version}))
+    _ok(client.post("/end_weight_update", json={}))
+
+
 @pytest.fixture(autouse=True)
 def serving(client: TestClient, ckpts: tuple[str, str]) -> Iterator[None]:
     """Every test starts and ends with the engine serving the first checkpoint's weights."""
     yield
-    if client.get("/server_info").json()["internal_states"][0]["state"] != "serving":
-        client.post("/pause_generation", json={"mode": "abort"})
-        state = client.get("/server_info").json()["internal_states"][0]
-        if state["state"] == "updating":
-            client.post("/end_weight_update", json={})
-    restore = {"model_path": ckpts[0], "weight_version": "0"}
-    if client.post("/update_weights_from_disk", json=restore).status_code == 409:
-        client.post("/pause_generation", json={"mode": "abort"})
-        client.post("/update_weights_from_disk", json=restore)
-    client.post("/continue_generation", json={})
+    if client.get("/server_info").json()["internal_states"][0]["state"] in ("updating", "ended"):
+        client.post("/abort_weight_update", json={})
+    client.post("/pause_generation", json={"mode": "abort"})
+    _load(client, ckpts[0], "0")
+    _ok(client.post("/continue_generation", json={}))
 
 
 def _ok(r: Any) -> Any:
@@ -426,9 +429,9 @@ def test_colocated_update_weights_from_tensor(client: TestClient, ckpts: tuple[s
     with HFCheckpoint(ckpts[1]) as c:
         named = [(n, c.get(n)) for n in c.names()]
     _ok(client.post("/pause_generation", json={"mode": "retract"}))
-    _ok(client.post("/update_weights_from_disk", json={"model_path": ckpts[1]}))
+    _load(client, ckpts[1], "2")
     _ok(client.post("/weights_checker", json={"action": "snapshot", "allow_quant_error": False, "selector": "all"}))
-    _ok(client.post("/update_weights_from_disk", json={"model_path": ckpts[0]}))
+    _load(client, ckpts[0], "0")
     _ok(client.post("/begin_weight_update", json={"selector": "all"}))
     body = {"serialized_named_tensors": [_sglang_flattened_bucket(named)], "load_format": "flattened_bucket",
             "flush_cache": False, "selector": "all", "weight_version": "3"}
@@ -472,7 +475,7 @@ def test_check_weight_update_equal_cycle(client: TestClient, ckpts: tuple[str, s
     after_reset = _engine_checksums(_ok(client.post("/weights_checker", json={"action": "checksum", **body})))
     assert after_reset["rank0/lm_head.weight"] == before["rank0/lm_head.weight"], "skipped tensors are not reset"
     assert after_reset["rank0/model.embed_tokens.weight"] != before["rank0/model.embed_tokens.weight"]
-    _ok(client.post("/update_weights_from_disk", json={"model_path": ckpts[0]}))
+    _load(client, ckpts[0])
     cmp = _ok(client.post("/weights_checker", json={"action": "compare", "allow_quant_error": True,
                                                      "selector": "all", "skip_tensor_list": skip}))
     assert cmp["success"]

@@ -7,8 +7,10 @@ import argparse
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from weightsync.engine.config import ServeConfig
+from weightsync.launch.config import env_token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +64,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dist-port", type=int, default=None, help="process-group rendezvous port (default: free)")
     parser.add_argument("--compute-dtype", default=None, help="activation dtype (default: float32 on cpu)")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank on cpu (default: 1)")
+    parser.add_argument("--token-file", default=None,
+                        help="file holding the token every route but /health requires (default: WEIGHTSYNC_TOKEN); "
+                        "an engine whose --host is not loopback refuses to start without one")
+    parser.add_argument("--api-docs", action="store_true", help="serve /docs and /openapi.json")
+    parser.add_argument("--die-with-parent", action="store_true",
+                        help="stop (as on SIGTERM) when the process that started this engine dies (a launcher; "
+                        "Linux ties it to the starting thread)")
+    parser.add_argument("--max-request-mb", type=float, default=256.0, help="larger request bodies get 413")
+    parser.add_argument("--max-queued-requests", type=int, default=1024,
+                        help="generation requests waiting or running at once (429 beyond)")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="a /generate not answered within this long is aborted (503)")
+    parser.add_argument("--group-timeout-s", type=float, default=600.0,
+                        help="deadline of joining a weight-update group and of one broadcast receive")
+    parser.add_argument("--collective-timeout-s", type=float, default=300.0,
+                        help="deadline of the engine's own collectives between its ranks")
     parser.add_argument("--log-level", default="info")
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The token: ``--token-file``'s content, else ``WEIGHTSYNC_TOKEN`` (read by the one reader)."""
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--token-file {args.token_file}: {exc.strerror}") from None
+        if not token:
+            raise ValueError(f"--token-file {args.token_file} is empty")
+        return token
+    return env_token()
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -91,6 +122,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         compute_dtype=args.compute_dtype,
         cpu_threads=args.cpu_threads,
         transfer_info_format=args.transfer_info_format,
+        token=_token(args),
+        api_docs=args.api_docs,
+        die_with_parent=args.die_with_parent,
+        max_request_bytes=int(args.max_request_mb * (1 << 20)),
+        max_queued_requests=args.max_queued_requests,
+        request_timeout_s=args.request_timeout_s,
+        group_timeout_s=args.group_timeout_s,
+        collective_timeout_s=args.collective_timeout_s,
     )
 
 
@@ -102,7 +141,12 @@ def main(args: argparse.Namespace) -> int:
     # Ctrl-C is a KeyboardInterrupt) so that the teardown below runs instead of a hard kill.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        return run_server(config_from_args(args), log_level=args.log_level)
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"weightsync serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run_server(cfg, log_level=args.log_level)
     except KeyboardInterrupt:
         return 0
     except ValueError as exc:  # configuration or checkpoint refused before anything started: one line, no traceback

@@ -3,12 +3,19 @@
 Used by :mod:`weightsync.engine.serve` for rank 0 (this process) and the spawned ranks. Loading
 ends with a startup agreement over the control group: if any rank failed to load, every rank
 raises (the failing one its own error), so no rank waits forever for a peer that died.
+
+Listeners: the engine's ranks share one host, so their process group's store and gloo pairs
+listen on loopback only (the store is bound by :func:`weightsync.transport.net.bound_store`; gloo
+devices follow ``GLOO_SOCKET_IFNAME``, which each rank sets to the loopback interface before it
+builds a group). An engine whose HTTP address is not loopback must have a token
+(:func:`check_access`).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 from typing import TYPE_CHECKING
 
@@ -22,13 +29,28 @@ from weightsync.models.parallel import RolloutParallel
 from weightsync.models.resolve import model_spec
 from weightsync.models.spec import ModelSpec
 from weightsync.transport import TransportConfig, TransportKind
+from weightsync.transport.net import bound_store, interface_of, is_loopback, is_wildcard
 
 if TYPE_CHECKING:
     from weightsync.engine.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+LOOPBACK = "127.0.0.1"
+
+
+def check_access(cfg: ServeConfig) -> None:
+    """Refuse an engine reachable beyond this machine without a token.
+
+    Raises:
+        ValueError: ``cfg.host`` is not a loopback address and ``cfg.token`` is None.
+    """
+    if cfg.token is None and not is_loopback(cfg.host):
+        raise ValueError(
+            f"--host {cfg.host} makes the engine reachable from other machines: its control API and weight "
+            f"endpoints need a token then (set WEIGHTSYNC_TOKEN or pass --token-file FILE; clients send it as "
+            f"'Authorization: Bearer <token>'), or serve on 127.0.0.1"
+        )
 
 
 def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
@@ -39,8 +61,10 @@ def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
 
     Raises:
         ValueError: unknown model or scale, a checkpoint config of another family or with a field
-            the engine cannot honour, bad sizes, not enough CUDA devices.
+            the engine cannot honour, bad sizes, not enough CUDA devices, an address beyond
+            loopback without a token.
     """
+    check_access(cfg)
     spec = model_spec(cfg.model, cfg.scale, checkpoint=cfg.checkpoint, dtype=cfg.dtype)
     par = RolloutParallel(
         tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, moe_dense_tp=cfg.moe_dense_tp_size, dp_lm_head=cfg.enable_dp_lm_head
@@ -62,9 +86,15 @@ def transport_config(cfg: ServeConfig) -> TransportConfig | None:
         return None
     if cfg.transport != TransportKind.MOONCAKE:
         return TransportConfig(kind=cfg.transport)
-    host = cfg.host if cfg.host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
+    host = advertised_host(cfg)
     return TransportConfig(kind=cfg.transport, mooncake_protocol=cfg.mooncake_protocol,
                            mooncake_device=cfg.mooncake_device, mooncake_hostname=host)
+
+
+def advertised_host(cfg: ServeConfig) -> str:
+    """The address peers reach this engine at: ``--host``, or this host's name's address for a
+    wildcard (``0.0.0.0``)."""
+    return cfg.host if not is_wildcard(cfg.host) else socket.gethostbyname(socket.gethostname())
 
 
 def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: int, port: int) -> Engine:
@@ -82,12 +112,19 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
         device = torch.device("cpu")
         torch.set_num_threads(cfg.cpu_threads)
     if par.tp > 1:
+        timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
+        # gloo groups built from here on (the default one, the control group) pair over loopback;
+        # weight-update groups name their own device (weightsync.transport.group)
+        lo = interface_of(LOOPBACK)
+        if lo is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = lo
+        store = bound_store(LOOPBACK, port, par.tp, is_master=rank == 0, timeout=timeout)
         dist.init_process_group(
             "nccl" if cfg.device == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=store,
             rank=rank,
             world_size=par.tp,
-            timeout=COLLECTIVE_TIMEOUT,
+            timeout=timeout,
         )
         groups = EngineGroups.build(par, rank)
     else:
@@ -99,6 +136,7 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
         device=device,
         compute_dtype=dtype,
         transport=transport_config(cfg),
+        group_timeout_s=cfg.group_timeout_s,
     )
     error: BaseException | None = None
     try:

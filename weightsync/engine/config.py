@@ -6,7 +6,7 @@ Filled by the command line (:mod:`weightsync.cli.serve`) or by a launcher; read 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TRANSFER_INFO_FORMATS = ("weightsync", "sglang")
 
@@ -65,6 +65,23 @@ class ServeConfig:
     """What ``/get_remote_instance_transfer_engine_info`` publishes: ``weightsync`` (sglang's
     ``[session_id, weights_info]`` plus this project's transport descriptor) or ``sglang`` (exactly
     sglang's pair, as a real sglang server publishes it; senders then need Mooncake)."""
+    token: str | None = field(default=None, repr=False)
+    """Required on every route but ``/health`` (``Authorization: Bearer``); an engine whose host is
+    not a loopback address refuses to start without one (``WEIGHTSYNC_TOKEN`` or ``--token-file``)."""
+    api_docs: bool = False
+    """Serve ``/docs`` and ``/openapi.json`` (off by default)."""
+    die_with_parent: bool = False
+    """End the engine (SIGTERM: a clean stop, shm unlinked) when the process that started it dies."""
+    max_request_bytes: int = 256 << 20
+    """Larger request bodies are refused (413)."""
+    max_queued_requests: int = 1024
+    """Generation requests waiting or running at once (429 beyond; a single request of more prompts: 413)."""
+    request_timeout_s: float = 600.0
+    """A ``/generate`` not answered within this long is aborted (503)."""
+    group_timeout_s: float = 600.0
+    """Joining a weight-update group and one broadcast receive must complete within this long."""
+    collective_timeout_s: float = 300.0
+    """The engine's own collectives between its ranks (a rank waiting on a failed peer gives up after it)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -82,3 +99,10 @@ class ServeConfig:
             raise ValueError(f"transfer_info_format must be one of {choices}, got {self.transfer_info_format!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        for name in ("max_request_bytes", "max_queued_requests", "request_timeout_s", "group_timeout_s",
+                     "collective_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.token is not None and len(self.token) < 16:
+            raise ValueError("the engine token must be at least 16 characters (e.g. python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(32))')")

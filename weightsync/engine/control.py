@@ -6,10 +6,13 @@ Protocol (over the engine's gloo ``control`` group)::
     rank 0:  broadcast(Command); execute it locally; gather every Reply; raise if any failed
 
 A failing rank ships its formatted traceback in its :class:`Reply`; rank 0 raises one
-:class:`RankError` naming every failed rank, so one failure stops the command everywhere in the
-same way. Commands are validated on rank 0 before they are sent (bad input never reaches the
-ranks); a rank that fails *inside* a collective leaves the others waiting until the collective
-times out.
+:class:`RankError` naming every failed rank (its message holds each rank's exception line, never
+a traceback: those are logged where they happen), so one failure stops the command everywhere in
+the same way. Commands are validated on rank 0 before they are sent (bad input never reaches the
+ranks); a failure on rank 0 while it samples a generation step is broadcast so that every rank
+leaves the batch (:class:`~weightsync.engine.engine.StepError`); a rank that fails *inside* a
+model collective leaves the others waiting until the collective times out (the engine's
+``collective_timeout_s``).
 
 A single-rank engine without torch.distributed runs the same commands locally.
 """
@@ -38,9 +41,15 @@ class Op(enum.StrEnum):
     LOAD_CHECKPOINT = "load_checkpoint"  # path -> LoadStats
     LOAD_DUMMY = "load_dummy"  # seed -> LoadStats
     POST_LOAD = "post_load"  # -> seconds
+    BEGIN_UPDATE = "begin_update"  # -> {"staged_bytes", "seconds"} (a staged inbox refreshed)
+    END_UPDATE = "end_update"  # -> seconds (a staged inbox committed, then post-load)
+    UPDATE_FROM_DISK = "update_from_disk"  # path -> LoadStats (into the session's write target)
     TRANSFER_INFO = "transfer_info"  # -> (session_id, {name: [ptr, numel, elem_size]}, descriptor | None)
     CHECK_WEIGHTS = "check_weights"  # action, seed, allow_quant_error, skip -> dict
     INIT_GROUP = "init_group"  # master_address, master_port, rank_offset, world_size, group_name, backend
+    INIT_GROUP_START = "init_group_start"  # the same arguments; the join runs in the background
+    GROUP_STATUS = "group_status"  # group_name -> "ok" | "pending" | the failure
+    ABANDON_GROUP = "abandon_group"  # group_name: forget a join that failed or timed out
     UPDATE_FROM_DISTRIBUTED = "update_from_distributed"  # names, dtypes, shapes, group_name -> dict
     DESTROY_GROUP = "destroy_group"  # group_name
     UPDATE_FROM_TENSOR = "update_from_tensor"  # entries (one per rank), load_format -> dict
@@ -62,21 +71,31 @@ class Reply:
     """Formatted traceback of the failure (empty when ok)."""
     user_error: bool = False
     """The failure was a ValueError: bad input or configuration, not an engine fault."""
+    error_type: str = ""
+    """The exception's class name."""
+
+
+def _last_line(error: str) -> str:
+    lines = error.strip().splitlines()
+    return lines[-1] if lines else "unknown error"
 
 
 class RankError(RuntimeError):
-    """One or more ranks failed a command; ``str()`` has every failed rank's message."""
+    """One or more ranks failed a command; ``str()`` has every failed rank's exception line (no
+    traceback; :attr:`failed` keeps them)."""
 
     def __init__(self, op: Op, failed: list[Reply]) -> None:
         self.op = op
         self.failed = failed
         self.user_error = all(r.user_error for r in failed)
+        self.step_error = all(r.error_type == "StepError" for r in failed)
+        """Rank 0's generation step failed and every rank left the batch cleanly."""
         if self.user_error:
             # The same bad input fails every rank the same way: say it once.
-            last = failed[0].error.strip().splitlines()[-1]
+            last = _last_line(failed[0].error)
             msg = last.split(": ", 1)[1] if ": " in last else last
         else:
-            msg = "\n".join(f"[rank{r.rank}] {r.error}" for r in failed)
+            msg = "; ".join(f"[rank{r.rank}] {_last_line(r.error)}" for r in failed)
         super().__init__(msg)
 
 
@@ -95,6 +114,12 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
                 value = engine.load_dummy(a["seed"])
             case Op.POST_LOAD:
                 value = engine.post_load()
+            case Op.BEGIN_UPDATE:
+                value = engine.begin_update()
+            case Op.END_UPDATE:
+                value = engine.end_update()
+            case Op.UPDATE_FROM_DISK:
+                value = engine.update_from_disk(a["path"])
             case Op.TRANSFER_INFO:
                 value = engine.transfer_info()
             case Op.CHECK_WEIGHTS:
@@ -102,6 +127,12 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
                                a.get("skip", ()))
             case Op.INIT_GROUP:
                 value = engine.broadcast.init_group(**a)
+            case Op.INIT_GROUP_START:
+                value = engine.broadcast.start_init(**a)
+            case Op.GROUP_STATUS:
+                value = engine.broadcast.init_status(a["group_name"])
+            case Op.ABANDON_GROUP:
+                value = engine.broadcast.abandon_init(a["group_name"])
             case Op.UPDATE_FROM_DISTRIBUTED:
                 value = engine.broadcast.receive(**a)
             case Op.DESTROY_GROUP:
@@ -112,7 +143,8 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
                 value = None
     except Exception as exc:  # shipped to rank 0 with its traceback and re-raised there as RankError
         logger.exception("[rank%d] %s failed", engine.rank, cmd.op)
-        return Reply(rank=engine.rank, ok=False, error=traceback.format_exc(), user_error=isinstance(exc, ValueError))
+        return Reply(rank=engine.rank, ok=False, error=traceback.format_exc(), user_error=isinstance(exc, ValueError),
+                     error_type=type(exc).__name__)
     if engine.rank != 0 and cmd.op in (Op.GENERATE, Op.PROMPT_LOGITS):
         value = None  # rank 0 holds the outputs; do not ship copies back
     return Reply(rank=engine.rank, ok=True, value=value)
@@ -123,7 +155,7 @@ def _check(engine: Engine, action: str, seed: int, allow_quant_error: bool, skip
     if action == "snapshot":
         return checker.snapshot()
     if action == "reset_tensors":
-        return checker.reset_tensors(seed, skip)
+        return engine.reset_tensors(seed, skip)
     if action == "compare":
         return checker.compare(allow_quant_error, skip)
     if action == "checksum":

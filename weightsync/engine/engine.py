@@ -9,6 +9,17 @@ A batch is run to completion (static batching): right-padded prefill of all prom
 one decode step per new token for every row, until each row has stopped (``max_new_tokens``, a
 stop token, or an abort from rank 0). The KV cache lives for one batch.
 
+A failure on rank 0 while it samples a step (a request whose numbers the kernels cannot compute,
+a stop pattern that raises) does not leave the other ranks waiting in the token broadcast: rank 0
+broadcasts a fault flag, every rank leaves the batch, and rank 0 raises :class:`StepError`. A row
+whose logits or probabilities are not finite ends alone, with finish reason ``abort`` and a
+message (``status_code`` 500); the batch's other rows go on.
+
+Weights: every write of an update session goes to :attr:`Engine.inbox` -- the served parameters
+themselves, or, with a staged transport (shm), the registered inbox that
+:meth:`Engine.begin_update` refreshes from the served parameters and :meth:`Engine.end_update`
+copies into them (:mod:`weightsync.sync.p2p_receiver`).
+
 Typical usage::
 
     engine = Engine.build(spec, par, rank, groups, device=torch.device("cpu"))
@@ -35,6 +46,7 @@ from weightsync.engine.tensor_payload import decode_named_tensors
 from weightsync.engine.tp import EngineGroups
 from weightsync.layout.sglang import engine_layout
 from weightsync.models.spec import ModelSpec
+from weightsync.sync.broadcast_receiver import DEFAULT_TIMEOUT_S as DEFAULT_GROUP_TIMEOUT_S
 from weightsync.sync.broadcast_receiver import BroadcastReceiver, check_update_request
 from weightsync.sync.p2p_receiver import Receiver
 from weightsync.sync.params import ParamStore, write_global
@@ -82,6 +94,14 @@ class GenResult:
     num_retractions: int = 0
 
 
+class StepError(RuntimeError):
+    """Rank 0 failed while sampling a step; every rank left the batch (the engine is consistent)."""
+
+
+FAULT = 2
+"""The continue flag rank 0 broadcasts when its step failed (0: done, 1: go on)."""
+
+
 class Engine:
     """One rank of a rollout engine (see the module docstring)."""
 
@@ -93,6 +113,8 @@ class Engine:
         compute_dtype: torch.dtype,
         eos_token_ids: tuple[int, ...] = (),
         p2p: Receiver | None = None,
+        group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+        bind_host: str | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
@@ -113,8 +135,11 @@ class Engine:
                 "size": groups.world,
             },
         )
-        self.broadcast = BroadcastReceiver(store, spec, groups.rank)
         self.p2p = p2p if p2p is not None else Receiver("none", None, None, groups.rank)
+        self.inbox = self.p2p.write_target(store)
+        """Where update sessions write (``store`` itself unless the transport is staged)."""
+        self.broadcast = BroadcastReceiver(self.inbox, spec, groups.rank, timeout_s=group_timeout_s,
+                                           bind_host=bind_host)
         self.eos_token_ids = eos_token_ids
         self.decode: Callable[[list[int]], str] | None = None
         """Rank 0's detokenizer (stop strings); set by the server."""
@@ -130,6 +155,8 @@ class Engine:
         compute_dtype: torch.dtype | None = None,
         transport: TransportConfig | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+        bind_host: str | None = None,
     ) -> Engine:
         """Allocate the rank's parameters (zeros) in the sglang layout and build the model.
 
@@ -141,25 +168,53 @@ class Engine:
             transport: the p2p transport the parameters are registered with (its kind one of
                 :data:`weightsync.sync.p2p_receiver.RECEIVER_TRANSPORTS`); None: a plain allocation.
             eos_token_ids: tokens that end a request unless it sets ``ignore_eos``.
+            group_timeout_s: the deadline of joining a weight-update group and of a broadcast receive.
+            bind_host: the local address weight-update groups listen on (default: the route to their master).
         """
         layout = engine_layout(spec, groups.par, groups.rank)
         p2p, store = Receiver.open(transport, layout, device=device, rank=groups.rank)
         if compute_dtype is None:
             compute_dtype = torch.float32 if device.type == "cpu" else getattr(torch, spec.dtype)
-        logger.info("[rank%d] allocated %d parameters, %.1f MB", groups.rank, len(layout), store.nbytes / 1e6)
-        return cls(spec, store, groups, compute_dtype, eos_token_ids, p2p)
+        logger.info("[rank%d] allocated %d parameters, %.1f MB%s", groups.rank, len(layout), store.nbytes / 1e6,
+                    " (and as much for the staged p2p inbox)" if p2p.staged else "")
+        return cls(spec, store, groups, compute_dtype, eos_token_ids, p2p, group_timeout_s, bind_host)
 
     # ------------------------------------------------------------------ weights
 
     def load_checkpoint(self, path: str) -> LoadStats:
+        """Load the served parameters from a checkpoint (start-up)."""
         return load_checkpoint(self.store, self.spec, path)
 
     def load_dummy(self, seed: int = 0) -> LoadStats:
         return load_dummy(self.store, self.spec, seed)
 
+    def update_from_disk(self, path: str) -> LoadStats:
+        """``/update_weights_from_disk`` inside a session: the checkpoint into :attr:`inbox`."""
+        return load_checkpoint(self.inbox, self.spec, path)
+
     def post_load(self) -> float:
         """Recompute derived tensors; seconds."""
         return run_post_load(self.store, self.spec)
+
+    def begin_update(self) -> dict[str, Any]:
+        """A session begins: a staged inbox starts as a copy of the served parameters (whatever
+        was written into it before is wiped)."""
+        t0 = time.perf_counter()
+        nbytes = self.p2p.refresh(self.store)
+        return {"staged_bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def end_update(self) -> float:
+        """A session ends: a staged inbox becomes the served parameters, then the derived tensors
+        are recomputed; seconds."""
+        t0 = time.perf_counter()
+        self.p2p.commit(self.store)
+        return time.perf_counter() - t0 + self.post_load()
+
+    def reset_tensors(self, seed: int, skip: tuple[str, ...]) -> dict[str, int]:
+        """The checker's ``reset_tensors`` on the served parameters (and on a staged inbox)."""
+        out = self.checker.reset_tensors(seed, skip)
+        self.p2p.refresh(self.store)
+        return out
 
     def update_from_tensor(self, entries: list[str], load_format: str | None) -> dict[str, Any]:
         """``/update_weights_from_tensor`` on this rank: decode entry ``rank`` and write it.
@@ -188,14 +243,15 @@ class Engine:
             if bad:
                 raise ValueError(f"update_weights_from_tensor (direct) refused {len(bad)} tensors: " + "; ".join(bad))
             for n, t in pairs:
-                self.store[n].copy_(t)
+                self.inbox[n].copy_(t)
                 nbytes += t.numel() * t.element_size()
         else:
             check_update_request(
-                self.spec, [n for n, _ in pairs], [str(t.dtype) for _, t in pairs], [list(t.shape) for _, t in pairs]
+                self.spec, [n for n, _ in pairs], [str(t.dtype) for _, t in pairs], [list(t.shape) for _, t in pairs],
+                what="update_weights_from_tensor",
             )
             for n, t in pairs:
-                nbytes += write_global(self.store, self.spec, n, lambda box, t=t: t[tuple(slice(a, b) for a, b in box)])
+                nbytes += write_global(self.inbox, self.spec, n, lambda box, t=t: t[tuple(slice(a, b) for a, b in box)])
         return {"num_tensors": len(pairs), "nbytes": nbytes, "seconds": time.perf_counter() - t0}
 
     def transfer_info(self) -> tuple[str, dict[str, list[int]], dict[str, Any] | None]:
@@ -205,8 +261,8 @@ class Engine:
         ``w_vc``, which sglang keeps as plain attributes computed in post-load) are left out, so
         no sender can address them; ``end_weight_update`` recomputes them.
         """
-        derived = set(self.store.derived_names())
-        weights = {n: v for n, v in self.store.transfer_info().items() if n not in derived}
+        derived = set(self.inbox.derived_names())
+        weights = {n: v for n, v in self.inbox.transfer_info().items() if n not in derived}
         return self.p2p.session_id, weights, self.p2p.descriptor()
 
     def close(self) -> None:
@@ -322,10 +378,22 @@ class Engine:
                 results[b].finish_reason = {"type": "length", "length": reqs[b].sampling.max_new_tokens}
         while True:
             ctrl = torch.zeros(2 * num + 1, dtype=torch.int64)
+            failure: Exception | None = None
             if self.rank == 0:
-                self._step(reqs, results, done, logits, gens, should_abort, ctrl)
+                try:
+                    self._step(reqs, results, done, logits, gens, should_abort, ctrl)
+                except Exception as exc:  # every rank must leave the batch: broadcast the fault first
+                    failure = exc
+                    ctrl.zero_()
+                    ctrl[-1] = FAULT
             ctrl = self.groups.broadcast_tokens(ctrl.to(dev))
-            if not int(ctrl[-1]):
+            flag = int(ctrl[-1])
+            if flag == FAULT:
+                if failure is not None:
+                    raise StepError(f"sampling failed ({type(failure).__name__}: {failure}); the batch of "
+                                    f"{num} request(s) ended on every rank") from failure
+                return
+            if not flag:
                 return
             tokens, advance = ctrl[:num], ctrl[num : 2 * num].bool()
             pos = torch.where(advance, cur.to(dev), torch.clamp(cur.to(dev), max=total - 1))
@@ -357,7 +425,7 @@ class Engine:
                 results[b].finish_reason = {"type": "abort", "message": "Aborted"}
             return
         histories = [[*reqs[b].prior_output_ids, *results[b].output_ids] for b in active]
-        tokens, logps, dists = sample_tokens(
+        tokens, logps, dists, errors = sample_tokens(
             logits[active],
             [reqs[b].sampling for b in active],
             [gens[b] for b in active],
@@ -365,6 +433,10 @@ class Engine:
             stop_ids=[sorted(self._stop_ids(reqs[b])) for b in active],
         )
         for k, b in enumerate(active):
+            if errors[k] is not None:
+                done[b] = True
+                results[b].finish_reason = {"type": "abort", "message": errors[k], "status_code": 500}
+                continue
             self._append(reqs[b], results[b], int(tokens[k]), float(logps[k]), dists[k])
             done[b] = results[b].finish_reason is not None
             ctrl[b] = tokens[k]

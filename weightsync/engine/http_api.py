@@ -15,7 +15,17 @@ Status codes and error bodies follow sglang (``entrypoints/http_server.py``):
   409 when it conflicts with the engine's state (an update while generating, continue while the
   weights are dirty: sglang would wait instead), 500 for an engine fault on some rank;
 * ``/remote_instance_transfer_engine_info`` and ``/parallelism_config`` with a missing or unknown
-  rank -> 400 ``{"error": {"message"}}``; ``/flush_cache`` answers text.
+  rank -> 400 ``{"error": {"message"}}``; ``/flush_cache`` answers text;
+* a weight write outside ``begin_weight_update ... end_weight_update`` -> 400 (sglang 0.5.23's
+  rule); generation while the weights are dirty outside an update, on a faulted or stopping
+  engine -> 503; a full queue -> 429; a body over ``max_request_bytes`` or more prompts than the
+  queue takes -> 413; a bounded wait that expired -> 504; a ``/generate`` not answered within
+  ``request_timeout_s`` -> 503 (the request is aborted). No answer carries a traceback (they are
+  logged).
+
+Access: with a token (:attr:`ServerContext.token`) every route but ``/health`` needs
+``Authorization: Bearer <token>`` (401 without, 403 with another; compared in constant time).
+``/docs`` and ``/openapi.json`` exist only with ``api_docs``.
 
 Typical usage::
 
@@ -26,7 +36,9 @@ Typical usage::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import re
@@ -43,6 +55,7 @@ from pydantic import ValidationError
 from weightsync.engine.control import RankError
 from weightsync.engine.io_struct import (
     AbortReq,
+    AbortWeightUpdateReqInput,
     BeginWeightUpdateReqInput,
     CheckWeightsReqInput,
     ContinueGenerationReqInput,
@@ -60,7 +73,14 @@ from weightsync.engine.io_struct import (
     to_gen_requests,
     to_response,
 )
-from weightsync.engine.scheduler import Conflict, Scheduler
+from weightsync.engine.scheduler import (
+    Conflict,
+    EngineTimeout,
+    GroupError,
+    QueueFull,
+    Scheduler,
+    Unavailable,
+)
 from weightsync.engine.tokenizer import Tokenizer
 from weightsync.layout.sglang import engine_coords
 from weightsync.models.parallel import RolloutParallel
@@ -87,6 +107,7 @@ ROUTES = (
     "/abort_request",
     "/begin_weight_update",
     "/end_weight_update",
+    "/abort_weight_update",
     "/update_weight_version",
     "/get_weight_version",
     "/init_weights_update_group",
@@ -97,6 +118,12 @@ ROUTES = (
     "/weights_checker",
 )
 """Every route the app serves (pinned by a surface test)."""
+OPEN_ROUTES = ("/health",)
+"""Routes answered without the token (liveness probes)."""
+SESSION_HEADER = "x-weightsync-session"
+"""A call that carries it must belong to the engine's current update session."""
+DEFAULT_MAX_REQUEST_BYTES = 256 << 20
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 B = TypeVar("B", bound=RequestBody)
 
@@ -111,10 +138,22 @@ class ServerContext:
     publish_descriptor: bool = True
     """Add weightsync's transport descriptor to the transfer-engine info (an extension); False
     publishes exactly sglang's ``[session_id, weights_info]``."""
+    token: str | None = dataclasses.field(default=None, repr=False)
+    """Required (``Authorization: Bearer``) on every route but ``/health``; None: no check."""
+    api_docs: bool = False
+    """Serve ``/docs`` and ``/openapi.json``."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Bodies larger than this are refused (413)."""
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    """A ``/generate`` not answered within this long is aborted (503)."""
 
 
 class BadBody(ValueError):
     """A request body that does not validate (HTTP 400, sglang's ``ErrorResponse``)."""
+
+
+class TooLarge(Exception):
+    """A request larger than the engine takes (HTTP 413)."""
 
 
 class RouteError(Exception):
@@ -151,13 +190,29 @@ def _describe(exc: ValidationError, model: type[RequestBody]) -> str:
     return "invalid request: " + "; ".join(seen)
 
 
-async def parse_body(request: Request, model: type[B]) -> B:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, read at most ``limit`` bytes far.
+
+    Raises:
+        TooLarge: the body is longer.
+    """
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"request body over {limit} bytes (the engine's max_request_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[B], limit: int = DEFAULT_MAX_REQUEST_BYTES) -> B:
     """The request's JSON body as ``model``; an absent body is ``{}`` (every field's default).
 
     Raises:
         BadBody: malformed JSON, or a body that does not validate (the message names the fields).
+        TooLarge: a body over ``limit`` bytes.
     """
-    raw = await request.body()
+    raw = await read_body(request, limit)
     try:
         return model.model_validate_json(raw if raw.strip() else b"{}")
     except ValidationError as exc:
@@ -231,13 +286,51 @@ def _rank_param(request: Request, par: RolloutParallel) -> int:
     return rank
 
 
+ERROR_STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (ValueError, 400),
+    (TooLarge, 413),
+    (Conflict, 409),
+    (QueueFull, 429),
+    (Unavailable, 503),
+    (EngineTimeout, 504),
+)
+"""Refusals by exception type (the most specific class wins) and their HTTP status."""
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    scheme, _, value = auth.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI app serving one engine (see the module docstring)."""
-    app = FastAPI(title="weightsync rollout engine")
+    docs = {} if ctx.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="weightsync rollout engine", **docs)
     sched, tok = ctx.scheduler, ctx.tokenizer
+    limit = ctx.max_request_bytes
 
     def control(status: int, message: str) -> JSONResponse:
         return JSONResponse({"success": False, "message": message}, status_code=status)
+
+    def refusal(request: Request, status: int, message: str) -> JSONResponse:
+        """The error body of ``request``'s route: ``/generate``'s, or the control routes'."""
+        if request.url.path == "/generate":
+            return JSONResponse({"error": {"message": message}}, status_code=status)
+        return control(status, message)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        if ctx.token is not None and request.url.path not in OPEN_ROUTES:
+            given = _bearer(request)
+            if given is None:
+                return _error_response(401, "this engine needs its token: send 'Authorization: Bearer <token>'")
+            if not hmac.compare_digest(given.encode(), ctx.token.encode()):
+                return _error_response(403, "wrong token")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return refusal(request, 413, f"request body of {declared} bytes is over the engine's limit of {limit}")
+        return await call_next(request)
 
     @app.exception_handler(BadBody)
     async def _bad_body(_: Request, exc: BadBody) -> JSONResponse:
@@ -247,32 +340,62 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def _route_error(_: Request, exc: RouteError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status)
 
-    @app.exception_handler(ValueError)
-    async def _bad_value(request: Request, exc: ValueError) -> JSONResponse:
-        if request.url.path == "/generate":
-            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
-        return control(400, str(exc))
+    def answer_with(status: int) -> Callable[[Request, Exception], Any]:
+        async def handle(request: Request, exc: Exception) -> JSONResponse:
+            return refusal(request, status, str(exc))
 
-    @app.exception_handler(Conflict)
-    async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
-        return control(409, str(exc))
+        return handle
+
+    for exc_type, status in ERROR_STATUS:
+        app.add_exception_handler(exc_type, answer_with(status))
+
+    @app.exception_handler(GroupError)
+    async def _group_error(_: Request, exc: GroupError) -> JSONResponse:
+        return control(400, f"Failed to initialize custom process group: {exc}")
 
     @app.exception_handler(RankError)
-    async def _rank_error(_: Request, exc: RankError) -> JSONResponse:
-        return control(400 if exc.user_error else 500, f"{exc.op}: {exc}")
+    async def _rank_error(request: Request, exc: RankError) -> JSONResponse:
+        return refusal(request, 400 if exc.user_error else 500, f"{exc.op}: {exc}")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return refusal(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     async def run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def body_of(request: Request, model: type[B]) -> B:
+        return await parse_body(request, model, limit)
+
+    def session_of(request: Request) -> str | None:
+        return request.headers.get(SESSION_HEADER) or None
 
     # -- generation --------------------------------------------------------------------------
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
-        body = await parse_body(request, GenerateReqInput)
+        body = await body_of(request, GenerateReqInput)
         t0 = time.perf_counter()
         reqs, is_batch, sps = await run(to_gen_requests, body, sched.spec, tok)
+        if len(reqs) > sched.max_queued_requests:
+            raise TooLarge(f"a request of {len(reqs)} prompts: the engine queues at most "
+                           f"{sched.max_queued_requests} (split it)")
         futures = sched.submit(reqs)
-        done = [await asyncio.wrap_future(f) for f in futures]
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)),
+                                          timeout=ctx.request_timeout_s)
+        except TimeoutError:
+            for r, f in zip(reqs, futures):
+                if f.cancelled() or not f.done():  # a queued one was cancelled by the timeout: drop it too
+                    await run(sched.abort_request, r.rid, False, "deadline")
+            state = sched.status()["state"]
+            raise Unavailable(f"request not answered within {ctx.request_timeout_s:.0f} s (the engine is {state}); "
+                              f"it was aborted") from None
+        failed = [res.finish_reason["message"] for res, _ in done
+                  if res.finish_reason and res.finish_reason.get("status_code")]
+        if failed:
+            return JSONResponse({"error": {"message": "; ".join(dict.fromkeys(failed))}}, status_code=500)
         latency = time.perf_counter() - t0
         out = [to_response(r, res, v, tok, latency, body, sp) for r, (res, v), sp in zip(reqs, done, sps)]
         if body.stream:
@@ -280,9 +403,13 @@ def build_app(ctx: ServerContext) -> FastAPI:
             return StreamingResponse(iter(chunks), media_type="text/event-stream")
         return out if is_batch else out[0]
 
-    @app.api_route("/health", methods=["GET"])
-    @app.api_route("/health_generate", methods=["GET"])
-    async def health() -> Response:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, state = sched.liveness()
+        return JSONResponse(state, status_code=200 if ok else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
         ok, why = await run(sched.health_check, HEALTH_CHECK_TIMEOUT_S)
         if not ok:
             logger.warning("health check failed: %s", why)
@@ -290,18 +417,18 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/pause_generation")
     async def pause(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, PauseGenerationReqInput)
+        body = await body_of(request, PauseGenerationReqInput)
         return await run(sched.pause, body.mode)
 
     @app.post("/continue_generation")
     async def resume(request: Request) -> dict[str, Any]:
-        await parse_body(request, ContinueGenerationReqInput)
+        await body_of(request, ContinueGenerationReqInput)
         return await run(sched.resume)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> Response:
         if request.method == "POST":
-            await parse_body(request, FlushCacheReqInput)
+            await body_of(request, FlushCacheReqInput)
         if sched.flush_cache():
             return PlainTextResponse(
                 "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
@@ -311,7 +438,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, AbortReq)
+        body = await body_of(request, AbortReq)
         await run(sched.abort_request, body.rid, body.abort_all, body.abort_message)
         return {"status": "ok"}
 
@@ -364,33 +491,39 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/begin_weight_update")
     async def begin_update(request: Request) -> dict[str, Any]:
-        await parse_body(request, BeginWeightUpdateReqInput)
+        await body_of(request, BeginWeightUpdateReqInput)
         return await run(sched.begin_update)
 
     @app.post("/end_weight_update")
     async def end_update(request: Request) -> dict[str, Any]:
-        await parse_body(request, EndWeightUpdateReqInput)
-        return await run(sched.end_update)
+        await body_of(request, EndWeightUpdateReqInput)
+        return await run(sched.end_update, session_of(request))
+
+    @app.post("/abort_weight_update")
+    async def abort_update(request: Request) -> dict[str, Any]:
+        await body_of(request, AbortWeightUpdateReqInput)
+        return await run(sched.abort_update, session_of(request))
 
     @app.post("/update_weight_version")
     async def update_version(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, UpdateWeightVersionReqInput)
-        await run(sched.set_weight_version, body.new_version, body.abort_all_requests)
+        body = await body_of(request, UpdateWeightVersionReqInput)
+        effect = await run(sched.set_weight_version, body.new_version, body.abort_all_requests, session_of(request))
         return {
             "success": True,
             "message": f"Weight version updated to {body.new_version}",
             "new_version": body.new_version,
+            "effect": effect,
         }
 
     @app.post("/init_weights_update_group")
     async def init_group(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, InitWeightsUpdateGroupReqInput)
+        body = await body_of(request, InitWeightsUpdateGroupReqInput)
         args = body.model_dump(exclude={"rid", "http_worker_ipc"})
         return await run(lambda: sched.init_group(**args))
 
     @app.post("/update_weights_from_distributed")
     async def update_distributed(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, UpdateWeightsFromDistributedReqInput)
+        body = await body_of(request, UpdateWeightsFromDistributedReqInput)
         body.refuse_unsupported()
         return await run(
             lambda: sched.update_from_distributed(
@@ -399,29 +532,31 @@ def build_app(ctx: ServerContext) -> FastAPI:
                 shapes=body.shapes,
                 group_name=body.group_name,
                 weight_version=body.weight_version,
+                session_id=session_of(request),
             )
         )
 
     @app.post("/update_weights_from_tensor")
     async def update_tensor(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, UpdateWeightsFromTensorReqInput)
+        body = await body_of(request, UpdateWeightsFromTensorReqInput)
         return await run(
-            sched.update_from_tensor, body.serialized_named_tensors, body.load_format, body.weight_version
+            sched.update_from_tensor, body.serialized_named_tensors, body.load_format, body.weight_version,
+            session_of(request),
         )
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, DestroyWeightsUpdateGroupReqInput)
+        body = await body_of(request, DestroyWeightsUpdateGroupReqInput)
         return await run(sched.destroy_group, body.group_name)
 
     @app.post("/update_weights_from_disk")
     async def update_disk(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, UpdateWeightFromDiskReqInput)
-        return await run(sched.update_from_disk, body.model_path, body.weight_version)
+        body = await body_of(request, UpdateWeightFromDiskReqInput)
+        return await run(sched.update_from_disk, body.model_path, body.weight_version, session_of(request))
 
     @app.api_route("/weights_checker", methods=["GET", "POST"])
     async def weights_checker(request: Request) -> JSONResponse:
-        body = await parse_body(request, CheckWeightsReqInput)
+        body = await body_of(request, CheckWeightsReqInput)
         if body.rank is not None and not 0 <= body.rank < ctx.par.tp:
             raise ValueError(f"rank {body.rank} is outside the engine's ranks [0, {ctx.par.tp})")
         skip = tuple(body.skip_tensor_list or ())

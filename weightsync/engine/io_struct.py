@@ -22,6 +22,8 @@ default, as in sglang. docs/engine.md tabulates every field; a test holds the ta
 from __future__ import annotations
 
 import enum
+import math
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
@@ -29,7 +31,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from weightsync.engine.engine import GenRequest, GenResult
-from weightsync.engine.sampling import SamplingParams
+from weightsync.engine.sampling import MAX_ABS_LOGIT_BIAS, SamplingParams, check_computable
 from weightsync.engine.tokenizer import Tokenizer
 from weightsync.models.spec import ModelSpec
 
@@ -400,6 +402,10 @@ class EndWeightUpdateReqInput(_ControlBody):
     pass
 
 
+class AbortWeightUpdateReqInput(_ControlBody):
+    """``/abort_weight_update`` (an extension: sglang has no such route)."""
+
+
 class UpdateWeightFromDiskReqInput(_ControlBody):
     model_path: str
     load_format: str | None = None
@@ -460,6 +466,7 @@ BODIES: dict[str, type[RequestBody]] = {
     "/destroy_weights_update_group": DestroyWeightsUpdateGroupReqInput,
     "/begin_weight_update": BeginWeightUpdateReqInput,
     "/end_weight_update": EndWeightUpdateReqInput,
+    "/abort_weight_update": AbortWeightUpdateReqInput,
     "/update_weights_from_disk": UpdateWeightFromDiskReqInput,
     "/weights_checker": CheckWeightsReqInput,
 }
@@ -488,6 +495,11 @@ def _as_tuple(value: str | list[str] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+_SAMPLING_FLOATS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "frequency_penalty": 0.0,
+                    "presence_penalty": 0.0, "repetition_penalty": 1.0}
+"""The float sampling fields and their defaults (``null`` means the default)."""
+
+
 def _sampling(sp: SamplingParamsInput, spec: ModelSpec, prompt_len: int, where: str) -> SamplingParams:
     """sglang's ``SamplingParams.__post_init__`` + ``normalize`` + ``verify``, for one prompt."""
     context = spec.max_position_embeddings
@@ -507,8 +519,17 @@ def _sampling(sp: SamplingParamsInput, spec: ModelSpec, prompt_len: int, where: 
             raise ValueError(f"{where}logit_bias keys must be token ids, got {tok!r}") from None
         if not 0 <= tid < spec.vocab_size:
             raise ValueError(f"{where}logit_bias must have keys in [0, {spec.vocab_size - 1}], got {tid}")
-        bias.append((tid, float(value)))
+        if not math.isfinite(value):
+            raise ValueError(f"{where}logit_bias[{tok}] must be a finite number, got {value}")
+        bias.append((tid, max(-MAX_ABS_LOGIT_BIAS, min(MAX_ABS_LOGIT_BIAS, float(value)))))
+    for pattern in _as_tuple(sp.stop_regex):
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{where}stop_regex {pattern!r} is not a regular expression ({exc})") from None
     temperature = _or(sp.temperature, 1.0)
+    floats = {name: _or(getattr(sp, name), default) for name, default in _SAMPLING_FLOATS.items()}
+    check_computable(where, temperature, floats["top_p"], floats["repetition_penalty"], floats)
     return SamplingParams(
         max_new_tokens=max_new,
         # sglang: 0 <= temperature < 1e-6 is greedy

@@ -12,14 +12,50 @@ distribution it was sampled from before top-p/top-k/min-p truncation, i.e. ``log
 logits / temperature)`` (plain ``log_softmax`` for greedy, ``temperature == 0``); prompt tokens'
 logprobs come from ``log_softmax(logits)`` at the previous position (the first prompt token has
 none).
+
+What the kernels can compute (checked when a request is parsed, :func:`check_computable`): every
+float is finite; ``temperature`` below ``1e-6`` is greedy (sglang's rule), so no division by a
+denormal happens; ``top_p`` is at least float32's smallest normal (below it the nucleus test in
+float32 keeps nothing); ``repetition_penalty`` is at least ``1e-6``; ``logit_bias`` values are
+clamped to ``[-1e6, 1e6]``. Sampling also always keeps the most probable token, and a row whose
+logits or probabilities still come out non-finite is reported (:func:`sample_tokens`'s
+``errors``) instead of raising, so one request never ends its batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+MIN_TOP_P = float(torch.finfo(torch.float32).tiny)
+"""The smallest ``top_p`` the float32 nucleus test distinguishes from 0."""
+MIN_REPETITION_PENALTY = 1e-6
+"""Below this, dividing a logit by the penalty overflows float32 for ordinary logits."""
+MAX_ABS_LOGIT_BIAS = 1e6
+"""``logit_bias`` values are clamped to +-this (a larger one changes nothing a float32 softmax can show)."""
+
+
+def check_computable(where: str, temperature: float, top_p: float, repetition_penalty: float,
+                     floats: dict[str, float]) -> None:
+    """Refuse sampling parameters outside what the sampling kernels compute (module docstring).
+
+    Raises:
+        ValueError: names the field, its value and the bound.
+    """
+    for name, value in floats.items():
+        if not math.isfinite(value):
+            raise ValueError(f"{where}{name} must be a finite number, got {value}")
+    if not temperature >= 0:
+        raise ValueError(f"{where}temperature must be >= 0, got {temperature}")
+    if top_p < MIN_TOP_P:
+        raise ValueError(f"{where}top_p must be at least {MIN_TOP_P:.3g} (float32's smallest normal; smaller "
+                         f"values keep no token), got {top_p}")
+    if repetition_penalty < MIN_REPETITION_PENALTY:
+        raise ValueError(f"{where}repetition_penalty must be at least {MIN_REPETITION_PENALTY:g} (1.0 = no penalty), "
+                         f"got {repetition_penalty}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +85,9 @@ class SamplingParams:
     """Seed of this request's generator (None: drawn from the engine's generator)."""
 
     def __post_init__(self) -> None:
+        check_computable("", self.temperature, self.top_p, self.repetition_penalty,
+                         {n: getattr(self, n) for n in ("temperature", "top_p", "min_p", "frequency_penalty",
+                                                        "presence_penalty", "repetition_penalty")})
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -114,11 +153,12 @@ def _truncate(probs: torch.Tensor, top_p: float, top_k: int, min_p: float) -> to
     if top_k > 0:
         keep[top_k:] = False
     if top_p < 1.0:
-        # Keep a token while the mass before it is below top_p (the top token always stays).
+        # Keep a token while the mass before it is below top_p.
         keep &= (sorted_p.cumsum(0) - sorted_p) < top_p
     if min_p > 0.0:
         # relative to the top probability, so renormalizing after top-k/top-p changes nothing
         keep &= sorted_p >= min_p * sorted_p[0]
+    keep[0] = True  # the most probable token always stays, whatever float32 made of the bounds
     kept = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
     return kept / kept.sum()
 
@@ -129,7 +169,7 @@ def sample_tokens(
     generators: list[torch.Generator],
     histories: list[Sequence[int]] | None = None,
     stop_ids: list[Sequence[int]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str | None]]:
     """Pick one token per row.
 
     Args:
@@ -140,24 +180,34 @@ def sample_tokens(
         stop_ids: per row, the stop tokens ``min_new_tokens`` holds back.
 
     Returns:
-        ``(tokens [B] int64, logprobs [B] float32, logprob rows [B, vocab] float32)`` on CPU; the
-        rows are the distributions the tokens were drawn from (before truncation).
+        ``(tokens [B] int64, logprobs [B] float32, logprob rows [B, vocab] float32, errors)`` on
+        CPU; the rows are the distributions the tokens were drawn from (before truncation);
+        ``errors[b]`` is None, or why row ``b`` has no token (non-finite logits or probabilities;
+        its token is then 0).
     """
     logits = logits.float().cpu()
-    tokens = torch.empty(len(params), dtype=torch.int64)
-    rows = torch.empty_like(logits)
+    tokens = torch.zeros(len(params), dtype=torch.int64)
+    rows = torch.zeros_like(logits)
+    errors: list[str | None] = [None] * len(params)
     for b, sp in enumerate(params):
         row = process_logits(logits[b], sp, histories[b] if histories else (), stop_ids[b] if stop_ids else ())
+        if torch.isnan(row).any() or torch.isposinf(row).any() or not torch.isfinite(row).any():
+            errors[b] = "sampling failed: the logits are not finite (the weights or the sampling parameters)"
+            continue
         if sp.temperature == 0.0:
             logp = torch.log_softmax(row, dim=-1)
             tok = int(row.argmax())
         else:
             logp = torch.log_softmax(row / sp.temperature, dim=-1)
             probs = _truncate(logp.exp(), sp.top_p, sp.top_k, sp.min_p)
+            if not (torch.isfinite(probs).all() and probs.sum() > 0):
+                errors[b] = (f"sampling failed: no finite probability at temperature {sp.temperature}, "
+                             f"top_p {sp.top_p}, top_k {sp.top_k}, min_p {sp.min_p}")
+                continue
             tok = int(torch.multinomial(probs, 1, generator=generators[b]))
         tokens[b] = tok
         rows[b] = logp
-    return tokens, rows.gather(1, tokens[:, None])[:, 0], rows
+    return tokens, rows.gather(1, tokens[:, None])[:, 0], rows, errors
 
 
 def prompt_logprobs(logits: torch.Tensor, ids: list[int]) -> list[float | None]:

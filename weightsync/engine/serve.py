@@ -1,12 +1,17 @@
 """The built-in engine's server (``weightsync serve``): one process per rank, HTTP on rank 0.
 
 Rank 0 is this process: it spawns ranks ``1 .. tp-1`` (``multiprocessing`` spawn), joins the
-engine's process group with them (gloo on CPU, NCCL on CUDA; ``tcp://127.0.0.1`` rendezvous,
-one host), every rank allocates and loads its own parameters, and rank 0 serves HTTP and drives
-the others (:mod:`weightsync.engine.control`). Ctrl-C (or SIGTERM) stops the server, releases
-the workers and tears the process group down (exit status 0); ranks > 0 die with rank 0 if it is
-killed outright (Linux ``PR_SET_PDEATHSIG``), and rank 0 ends the engine (exit status 1) if a rank
-process dies, since it cannot leave a collective with a dead peer.
+engine's process group with them (gloo on CPU, NCCL on CUDA; a rendezvous on 127.0.0.1, one
+host), every rank allocates and loads its own parameters, and rank 0 serves HTTP and drives
+the others (:mod:`weightsync.engine.control`).
+
+Processes: Ctrl-C (or SIGTERM) stops the server, releases the workers and tears the process group
+down (exit status 0); ranks > 0 die with rank 0 if it is killed outright (Linux
+``PR_SET_PDEATHSIG``); rank 0 ends the engine (exit status 1) if a rank process dies, since it
+cannot leave a collective with a dead peer, unlinking its own and the dead ranks' shm segments
+first. With ``die_with_parent`` the engine gets SIGTERM when the process that started it dies
+(a launcher killed with SIGKILL included) and stops as on Ctrl-C. At start-up, shm segments of
+this project whose owner process is gone are removed.
 
 Typical usage::
 
@@ -21,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -29,6 +35,7 @@ from typing import Any
 
 from weightsync.engine.config import ServeConfig
 from weightsync.proc import die_with_parent, free_port
+from weightsync.transport.shm import remove_segments, remove_stale_segments
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,11 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
     if cfg.checkpoint is not None:
         with HFCheckpoint(cfg.checkpoint) as ckpt:
             validate_checkpoint(spec, ckpt)
+    if cfg.die_with_parent:
+        die_with_parent(signal.SIGTERM)
+    stale = remove_stale_segments()
+    if stale:
+        logger.info("removed %d shm segment(s) of processes that are gone: %s", len(stale), ", ".join(stale))
     port = cfg.dist_port if cfg.dist_port is not None else free_port()
     procs = []
     if par.tp > 1:
@@ -70,21 +82,44 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
     if procs:
         watching.set()
         threading.Thread(target=_watch_workers, args=(procs, watching), name="rank-watchdog", daemon=True).start()
-    engine = build_rank(cfg, spec, par, 0, port)
+    clean = True
     try:
-        _serve(cfg, engine, par, log_level, watching)
+        engine = build_rank(cfg, spec, par, 0, port)
+        try:
+            clean = _serve(cfg, engine, par, log_level, watching)
+        finally:
+            if clean:
+                finish_rank(engine)
     finally:
-        finish_rank(engine)
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                logger.warning("engine rank process %s did not exit; terminating it", p.name)
-                p.terminate()
+        watching.clear()
+        _end_workers(procs, grace_s=30 if clean else 2)
+    if not clean:
+        logging.shutdown()
+        os._exit(1)  # the driver thread is stuck in a collective: no orderly teardown is possible
     return 0
 
 
+def _end_workers(procs: list[Any], grace_s: float) -> None:
+    """Wait for the rank processes (``grace_s``), terminate the ones left, and unlink the shm
+    segments they could not (a rank killed mid-collective leaves its own)."""
+    end = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(end - time.monotonic(), 0.1))
+        if p.is_alive():
+            logger.warning("engine rank process %s did not exit; terminating it", p.name)
+            p.terminate()
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    left = remove_segments({p.pid for p in procs if p.pid is not None and not p.is_alive()})
+    if left:
+        logger.info("unlinked %d shm segment(s) of the engine's ranks: %s", len(left), ", ".join(left))
+
+
 def _watch_workers(procs: list[Any], watching: threading.Event) -> None:
-    """Rank 0 cannot leave a collective whose peer died: end the whole engine instead.
+    """Rank 0 cannot leave a collective whose peer died: end the whole engine instead, after
+    unlinking the shm segments of every rank (its own included; the mappings stay valid).
 
     Runs until ``watching`` is cleared (just before a normal shutdown releases the workers).
     """
@@ -92,9 +127,14 @@ def _watch_workers(procs: list[Any], watching: threading.Event) -> None:
         for p in procs:
             if p.exitcode is not None and watching.is_set():
                 logger.error("engine rank process %s exited (code %s); stopping the engine", p.name, p.exitcode)
+                for other in procs:
+                    if other.exitcode is None:
+                        other.kill()
+                        other.join(timeout=5)
+                remove_segments({os.getpid(), *(q.pid for q in procs if q.pid is not None)})
                 logging.shutdown()
                 os._exit(1)
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def _worker_main(cfg: ServeConfig, rank: int, port: int) -> None:
@@ -112,7 +152,8 @@ def _worker_main(cfg: ServeConfig, rank: int, port: int) -> None:
         finish_rank(engine)
 
 
-def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: threading.Event) -> None:
+def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: threading.Event) -> bool:
+    """Serve until stopped; False when the driver could not be stopped (stuck)."""
     import uvicorn
 
     from weightsync.engine.control import Driver, Op
@@ -127,6 +168,10 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
         transfer_infos=driver.run(Op.TRANSFER_INFO),
         max_batch_size=cfg.max_batch_size,
         weight_version=cfg.weight_version,
+        max_queued_requests=cfg.max_queued_requests,
+        stop_timeout_s=cfg.collective_timeout_s + 60.0,
+        job_timeout_s=max(3 * cfg.collective_timeout_s, cfg.group_timeout_s) + 60.0,
+        group_timeout_s=cfg.group_timeout_s,
     )
     tokenizer = load_tokenizer(engine.spec.vocab_size, cfg.checkpoint)
     engine.eos_token_ids = tokenizer.eos_token_ids
@@ -149,6 +194,10 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
                         par=par,
                         server_info=info,
                         publish_descriptor=cfg.transfer_info_format == "weightsync",
+                        token=cfg.token,
+                        api_docs=cfg.api_docs,
+                        max_request_bytes=cfg.max_request_bytes,
+                        request_timeout_s=cfg.request_timeout_s,
                     )
                 ),
                 host=cfg.host,
@@ -170,12 +219,15 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
             cfg.host,
             cfg.port,
         )
+        if cfg.token is None and cfg.transport == "mooncake":
+            logger.info("no token: Mooncake's ports take connections on the loopback interface only")
         server.run()
     finally:
         watching.clear()  # the workers leave now, on purpose
-        sched.stop()
+        clean = sched.stop()
         if config_dir is not None:
             shutil.rmtree(config_dir, ignore_errors=True)
+    return clean
 
 
 def server_info(

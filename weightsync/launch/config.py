@@ -3,15 +3,21 @@
 ``RunConfig`` holds everything a ``run`` needs; :func:`env_settings` reads the reference
 system's variables (``CKPT_SAVE_DIR``, ``SKIP_VALIDATION``, ``BUCKET_SIZE_GB``,
 ``MILES_LOG_DIR``), the transport ones (``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``) and the
-multi-node ones (``WEIGHTSYNC_NODE_TIMEOUT_S``, ``WEIGHTSYNC_RAY_PORT``), and nothing below this
-module reads the environment.
+multi-node ones (``WEIGHTSYNC_NODE_TIMEOUT_S``, ``WEIGHTSYNC_RAY_PORT``), the engines' access token
+(``WEIGHTSYNC_TOKEN``, :func:`env_token`; ``weightsync serve`` reads it here too), and nothing below
+this module reads the environment.
+
+Every wait of a run has its deadline in :class:`Deadlines` (``run --deadlines KEY=SECONDS,...``);
+``WEIGHTSYNC_FAULT_HOOK`` (tests only, :attr:`EnvSettings.fault_hook`) names a function the trainer
+ranks call once their updater is built, which is how the fault-injection tests reach into a run.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -72,6 +78,21 @@ class EnvSettings:
     """``WEIGHTSYNC_NODE_TIMEOUT_S``: the deadline for the nodes of a multi-node run to join."""
     ray_port: int = DEFAULT_RAY_PORT
     """``WEIGHTSYNC_RAY_PORT``: the Ray head's port (open it between the nodes)."""
+    token: str | None = field(default=None, repr=False)
+    """``WEIGHTSYNC_TOKEN``: the engines' access token (engines get it in their environment,
+    clients send it as ``Authorization: Bearer``); None: unset."""
+    fault_hook: str = ""
+    """``WEIGHTSYNC_FAULT_HOOK`` (tests only): ``module:function[:argument]``, called on every
+    trainer rank as ``function(worker, argument)`` once its updater is built ("": none)."""
+
+
+TOKEN_ENV = "WEIGHTSYNC_TOKEN"
+
+
+def env_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """``WEIGHTSYNC_TOKEN`` (stripped), or None when unset or empty."""
+    env = os.environ if environ is None else environ
+    return env.get(TOKEN_ENV, "").strip() or None
 
 
 def _positive(env: Mapping[str, str], name: str, default: float, kind: type) -> float:
@@ -108,7 +129,96 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         mooncake_device=env.get("MOONCAKE_DEVICE", "").strip(),
         node_timeout_s=float(_positive(env, "WEIGHTSYNC_NODE_TIMEOUT_S", DEFAULT_NODE_TIMEOUT_S, float)),
         ray_port=int(_positive(env, "WEIGHTSYNC_RAY_PORT", DEFAULT_RAY_PORT, int)),
+        token=env_token(env),
+        fault_hook=env.get(FAULT_HOOK_ENV, "").strip(),
     )
+
+
+FAULT_HOOK_ENV = "WEIGHTSYNC_FAULT_HOOK"
+
+
+def writable_dir(path: Path, what: str) -> None:
+    """Refuse a directory the run could not write into, before anything starts: a file, a file on
+    the way to it, or a directory (``path`` or, when it does not exist yet, the nearest existing
+    parent) where no file can be created (a read-only mount). Leaves nothing behind.
+
+    Raises:
+        ValueError: naming ``what`` (``MILES_LOG_DIR``, ...), the path and why.
+    """
+    import tempfile
+
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is a file" if probe == path else f"cannot be created: {probe} is a file"
+        raise ValueError(f"{what} {path} {where}; point it at a directory")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: cannot write into {probe} ({exc.strerror or exc}); point it at a "
+                         "writable directory") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Deadlines:
+    """How long a run waits for each thing, in seconds (``run --deadlines KEY=SECONDS,...``, the
+    keys being the field names without ``_s``). A wait that expires fails the run with an error
+    naming what timed out, where (trainer rank or engine) and after how long."""
+
+    engine_start_s: float = 300.0
+    """An engine started by the run answers ``/health``."""
+    trainer_start_s: float = 300.0
+    """The trainer ranks have loaded their shards (and joined their process group)."""
+    engine_call_s: float = 120.0
+    """One control call to an engine (pause, begin / end of an update, checker, version, ...)."""
+    generate_s: float = 600.0
+    """One generation request of a step."""
+    command_s: float = 900.0
+    """One command of the trainer ranks (a training step, an update, an export)."""
+    collective_s: float = 300.0
+    """One collective of the trainer ranks' process groups (gloo / NCCL timeout)."""
+    write_s: float = 300.0
+    """The p2p writes of one update (transport completion)."""
+    group_s: float = 120.0
+    """Creating or joining a weight-update group, and one broadcast over it."""
+    failure_grace_s: float = 2.0
+    """After a trainer rank reported an error or died: how long the others get to report theirs
+    before the run stops (the first failure is the one shown)."""
+    stop_s: float = 15.0
+    """A process asked to stop exits (then it is killed)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"deadline {f.name.removesuffix('_s')} must be a positive number of seconds, "
+                                 f"got {v!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Deadlines:
+        """``KEY=SECONDS,...`` over the defaults (``--deadlines``; "" gives the defaults).
+
+        Raises:
+            ValueError: an unknown key or a value that is not a positive number (named, with the keys).
+        """
+        keys = [f.name.removesuffix("_s") for f in fields(cls)]
+        out: dict[str, float] = {}
+        for item in (x.strip() for x in text.split(",")):
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            if not sep or key.strip() not in keys:
+                raise ValueError(f"--deadlines: {item!r} is not KEY=SECONDS with KEY one of {', '.join(keys)}")
+            try:
+                out[key.strip() + "_s"] = float(value)
+            except ValueError:
+                raise ValueError(f"--deadlines: {item!r}: {value!r} is not a number of seconds") from None
+        return replace(cls(), **out)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,6 +301,12 @@ class RunConfig:
     """GRPO: samples per prompt (``--group-size``)."""
     lr: float = 1e-5
     """megatron: Adam's learning rate (``--lr``)."""
+    update_retries: int = 0
+    """A failed update (a rank's or engine's error, a checksum mismatch) is tried again from
+    scratch this many times before the run stops (``--update-retries``); every engine stays
+    paused and dirty at the old version until an attempt verifies."""
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    """Every wait of the run (``--deadlines``)."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -209,6 +325,17 @@ class RunConfig:
             raise ValueError(f"unknown placement {self.placement!r}: use split or colocated")
         if self.group_size < 1 or self.lr <= 0:
             raise ValueError(f"--group-size must be >= 1 and --lr > 0, got {self.group_size} and {self.lr}")
+        if self.prompts_per_step < 1:
+            raise ValueError(f"--prompts-per-step must be >= 1 (prompts each engine generates for per step), got "
+                             f"{self.prompts_per_step}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.update_retries < 0:
+            raise ValueError(f"--update-retries must be >= 0 (0: a failed update stops the run), got "
+                             f"{self.update_retries}")
+        if self.transport == "cuda_ipc" and self.device != "cuda":
+            raise ValueError(f"--transport cuda_ipc moves GPU memory between processes of one GPU; this run is on "
+                             f"{self.device}: use shm (or auto) on cpu")
         if self.engine_urls and self.cluster is not None:
             raise ValueError("--engine-urls updates engines that are already serving; a multi-node run (--head-ip) "
                              "starts its own: give one or the other")

@@ -11,18 +11,30 @@ the float8 weight followed or preceded by its ``weight_scale_inv``.
 
 Both sides build the group the same way: :func:`weightsync.transport.group.new_weight_update_group`
 (rank 0 hosts the TCP store).
+
+Deadlines: joining is bounded by ``timeout_s`` (a master nobody listens on fails after it, naming
+the address) and can run in the background (:meth:`BroadcastReceiver.start_init`, polled with
+:meth:`BroadcastReceiver.init_status`), so that an engine keeps generating while a trainer is
+slow to come; every tensor of a receive must arrive within the receive's deadline, and the
+error names the tensor and the group. Announcements are checked before anything is received:
+each dtype must be the parameter's own (no silent casts), each shape its shape.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import logging
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from weightsync.layout.sglang import engine_layout
 from weightsync.models.dtypes import torch_dtype
 from weightsync.models.hf import global_tensors
+from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.sync.params import ParamStore, write_global
 from weightsync.transport.group import new_weight_update_group
@@ -30,12 +42,45 @@ from weightsync.transport.group import new_weight_update_group
 logger = logging.getLogger(__name__)
 
 
-def check_update_request(spec: ModelSpec, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+FP8_DTYPE = "float8_e4m3fn"
+
+
+@functools.cache
+def _storage_dtypes(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
+    """Global tensor -> the dtypes the engine stores its pieces in (sglang's parameters; the
+    choice does not depend on the parallel sizes, so one rank of TP 1 holding everything tells)."""
+    seen: dict[str, set[str]] = {}
+    for t in engine_layout(spec, RolloutParallel(), 0):
+        for p in t.pieces:
+            seen.setdefault(p.global_name, set()).add(t.dtype)
+    return {name: tuple(sorted(d)) for name, d in seen.items()}
+
+
+def accepted_dtypes(spec: ModelSpec, name: str) -> tuple[str, ...]:
+    """The dtypes an update may announce for global tensor ``name``: the dtype of the engine
+    parameter that stores it (what the trainer's broadcast carries: the DSA indexer's ``k_norm``
+    and the router's ``e_score_correction_bias`` are float32 in sglang), the checkpoint's own
+    (what sglang's loader reads), and for a weight the engine stores in block fp8 also
+    ``float8_e4m3fn`` (sent with its ``weight_scale_inv``; the unquantized dtype is quantized on
+    arrival). Nothing else is accepted: no int, complex or wider float for a bf16 parameter.
+
+    Raises:
+        KeyError: ``name`` is not a tensor of ``spec``.
+    """
+    t = global_tensors(spec)[name]
+    out = dict.fromkeys((t.dtype, *_storage_dtypes(spec).get(name, ())))
+    if t.block is not None and t.quant_of is None:
+        out[FP8_DTYPE] = None
+    return tuple(out)
+
+
+def check_update_request(spec: ModelSpec, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                         what: str = "update_weights_from_distributed") -> None:
     """Refuse an announcement that does not match the model's global tensors.
 
     Raises:
-        ValueError: lists of different lengths, unknown names, unknown dtypes or wrong shapes
-            (all offenders named).
+        ValueError: lists of different lengths, unknown names, unknown dtypes, a dtype that is
+            not the parameter's (:func:`accepted_dtypes`) or wrong shapes (all offenders named).
     """
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
@@ -49,63 +94,165 @@ def check_update_request(spec: ModelSpec, names: list[str], dtypes: list[str], s
             torch_dtype(dtype)
         except ValueError as exc:
             problems.append(f"{name}: {exc}")
+        else:
+            want = accepted_dtypes(spec, name)
+            if str(dtype).removeprefix("torch.") not in want:
+                problems.append(f"{name}: dtype {dtype} (expected {' or '.join(want)}; updates are not cast)")
         if tuple(shape) != table[name].shape:
             problems.append(f"{name}: shape {list(shape)} (expected {list(table[name].shape)})")
     if problems:
-        raise ValueError(f"update_weights_from_distributed refused {len(problems)} tensors: " + "; ".join(problems))
+        raise ValueError(f"{what} refused {len(problems)} tensors: " + "; ".join(problems))
+
+
+DEFAULT_TIMEOUT_S = 600.0
 
 
 class BroadcastReceiver:
     """The update groups of one engine rank, by name."""
 
-    def __init__(self, store: ParamStore, spec: ModelSpec, rank: int) -> None:
+    def __init__(self, store: ParamStore, spec: ModelSpec, rank: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 bind_host: str | None = None) -> None:
+        """Args:
+        store: where received pieces are written (the engine's write target).
+        spec: the model.
+        rank: this engine rank.
+        timeout_s: the deadline of a join and of a receive, and the groups' collective timeout.
+        bind_host: the local address the groups' gloo pairs listen on (default: the address on
+            the route to the master).
+        """
         self.store = store
         self.spec = spec
         self.rank = rank
+        self.timeout_s = timeout_s
+        self.bind_host = bind_host
         self._groups: dict[str, tuple[dist.ProcessGroup, str]] = {}
+        self._joining: dict[str, tuple[threading.Thread, list[BaseException]]] = {}
 
     def init_group(
         self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
     ) -> str:
-        """Join group ``group_name`` as ``rank_offset + rank`` (collective with the trainer)."""
-        if group_name in self._groups:
-            raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
-        pg = new_weight_update_group(
-            master_address=master_address,
-            master_port=master_port,
-            rank=rank_offset + self.rank,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
-        self._groups[group_name] = (pg, backend)
+        """Join group ``group_name`` as ``rank_offset + rank`` (collective with the trainer; blocks
+        at most ``timeout_s``).
+
+        Raises:
+            ValueError: the group exists.
+            RuntimeError: the rendezvous failed or timed out (naming the master).
+        """
+        self.start_init(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                        world_size=world_size, group_name=group_name, backend=backend)
+        self._joining[group_name][0].join()
+        status = self.init_status(group_name)
+        if status != "ok":
+            raise RuntimeError(status)
         return f"joined {group_name!r} as rank {rank_offset + self.rank} of {world_size} ({backend})"
+
+    def start_init(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> str:
+        """Start joining group ``group_name`` in the background (returns at once); poll
+        :meth:`init_status`.
+
+        Raises:
+            ValueError: the group exists or is being joined.
+        """
+        if group_name in self._groups or group_name in self._joining:
+            raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
+        errors: list[BaseException] = []
+        where = f"{master_address}:{master_port}"
+
+        def join() -> None:
+            try:
+                pg = new_weight_update_group(
+                    master_address=master_address,
+                    master_port=master_port,
+                    rank=rank_offset + self.rank,
+                    world_size=world_size,
+                    group_name=group_name,
+                    backend=backend,
+                    timeout=datetime.timedelta(seconds=self.timeout_s),
+                    bind_host=self.bind_host,
+                )
+            except Exception as exc:  # reported by init_status
+                errors.append(RuntimeError(f"[rank{self.rank}] joining weight update group {group_name!r} at {where} "
+                                           f"failed within {self.timeout_s:.0f} s: {exc}"))
+                return
+            self._groups[group_name] = (pg, backend)
+
+        thread = threading.Thread(target=join, name=f"join-{group_name}", daemon=True)
+        self._joining[group_name] = (thread, errors)
+        thread.start()
+        return "joining"
+
+    def init_status(self, group_name: str) -> str:
+        """``"ok"`` (joined), ``"pending"``, or the failure message (the attempt is then forgotten)."""
+        if group_name in self._groups:
+            self._joining.pop(group_name, None)
+            return "ok"
+        entry = self._joining.get(group_name)
+        if entry is None:
+            return f"[rank{self.rank}] no weight update group {group_name!r} is being joined"
+        thread, errors = entry
+        if thread.is_alive():
+            return "pending"
+        self._joining.pop(group_name, None)
+        if group_name in self._groups:
+            return "ok"
+        return str(errors[0]) if errors else f"[rank{self.rank}] joining {group_name!r} ended without a group"
+
+    def abandon_init(self, group_name: str) -> None:
+        """Forget a join that timed out on some rank (a group it still completes is destroyed)."""
+        self._joining.pop(group_name, None)
+        if group_name in self._groups:
+            self.destroy_group(group_name)
 
     def receive(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str) -> dict:
         """Receive each announced tensor from group rank 0 and write this rank's pieces.
 
         The announcement is checked by :func:`check_update_request` on rank 0 before this runs.
+        The whole receive must complete within ``timeout_s``.
 
         Raises:
             ValueError: unknown group.
+            TimeoutError: a tensor did not arrive in time (named, with the group).
         """
         if group_name not in self._groups:
             raise ValueError(f"no weight update group {group_name!r} (call /init_weights_update_group first)")
         pg, backend = self._groups[group_name]
         device = torch.device("cpu") if backend == "gloo" else self.store.device
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
         nbytes = 0
-        for name, dtype, shape in zip(names, dtypes, shapes):
+        for k, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
             want = torch_dtype(dtype)
             # fp8 travels as its bytes: gloo (and older NCCL) have no float8 type
             fp8 = want.is_floating_point and want.itemsize == 1
             buf = torch.empty(shape, dtype=torch.uint8 if fp8 else want, device=device)
-            pg.broadcast(buf, 0).wait()
+            self._wait(pg.broadcast(buf, 0), backend, deadline,
+                       f"[rank{self.rank}] {name} (tensor {k + 1} of {len(names)}) from weight update group "
+                       f"{group_name!r}")
             buf = buf.view(want) if fp8 else buf
             nbytes += buf.numel() * buf.element_size()
             write_global(self.store, self.spec, name, lambda box, t=buf: t[tuple(slice(a, b) for a, b in box)])
         seconds = time.perf_counter() - t0
         return {"num_tensors": len(names), "nbytes": nbytes, "seconds": seconds}
+
+    def _wait(self, work: dist.Work, backend: str, deadline: float, what: str) -> None:
+        remaining = deadline - time.monotonic()
+        if backend == "gloo":
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=max(remaining, 1e-3)))
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+                raise TimeoutError(f"{what}: not received within {self.timeout_s:.0f} s") from None
+            return
+        pause = 1e-4
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{what}: not received within {self.timeout_s:.0f} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        work.wait()
 
     def destroy_group(self, group_name: str) -> str:
         """Leave group ``group_name``."""
@@ -119,5 +266,6 @@ class BroadcastReceiver:
         return f"destroyed {group_name!r}"
 
     def close(self) -> None:
+        self._joining.clear()
         for name in list(self._groups):
             self.destroy_group(name)

@@ -3,6 +3,28 @@
 The same client drives the built-in engine and a real sglang server: every method is one
 endpoint with sglang's request shape. Errors carry the endpoint and the server's message.
 
+**Token.** An engine started with a token answers 401/403 without it. Every call sends
+``Authorization: Bearer <token>`` when the client has one: the ``token`` it was built with, else
+the token configured for the process (:func:`configure_token`, which the launcher's processes
+call once with ``WEIGHTSYNC_TOKEN``).
+
+**An update as a transaction** (the built-in engine; docs/engine.md "States")::
+
+    eng.pause_generation()
+    eng.begin_weight_update()          # opens a session; its id is remembered and sent with the
+                                       # session's calls (X-Weightsync-Session)
+    ...write...                        # p2p, update_weights_from_distributed / _tensor (no
+                                       # weight_version: nothing is published by end)
+    eng.end_weight_update()            # post-load; the engine stays paused and dirty ("ended")
+    eng.weights_checker("checksum")    # verify what every rank holds
+    eng.update_weight_version(v)       # the publication: clean at version v
+    eng.continue_generation()
+
+On a failure: :meth:`EngineClient.abort_weight_update` (paused, dirty at the old version:
+``/generate`` answers 503) or leave it; a later session recovers the engine (begin works on a
+paused dirty engine, and on one left "ended"). :meth:`EngineClient.engine_state` reads the state,
+``weights_dirty``, the published ``weight_version`` and the open session.
+
 Typical usage::
 
     eng = EngineClient("http://127.0.0.1:30000")
@@ -17,28 +39,55 @@ from typing import Any
 
 import httpx
 
+SESSION_HEADER = "X-Weightsync-Session"
+"""Carries the update session id on the session's calls (the engine refuses another session's)."""
+
+_process_token: str | None = None
+
+
+def configure_token(token: str | None) -> None:
+    """The token every :class:`EngineClient` of this process sends unless given its own."""
+    global _process_token
+    _process_token = token or None
+
 
 class EngineError(RuntimeError):
     """An engine endpoint answered with an error status (or not at all)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status (None: no answer)."""
 
 
 class EngineClient:
     """One engine's control and generation API (see the module docstring)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, token: str | None = None) -> None:
+        """Args:
+        base_url: ``http://host:port``.
+        timeout_s: per request.
+        token: sent as ``Authorization: Bearer`` (default: the process's, :func:`configure_token`).
+        """
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, trust_env=False)
+        self.session_id: str | None = None
+        """The update session this client opened last (sent with its calls until it ends)."""
+        token = token if token is not None else _process_token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, trust_env=False, headers=headers)
 
     def close(self) -> None:
         self._http.close()
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
+    def _call(self, method: str, path: str, *, session: bool = False, **kw: Any) -> Any:
+        if session and self.session_id is not None:
+            kw["headers"] = {**kw.get("headers", {}), SESSION_HEADER: self.session_id}
         try:
             r = self._http.request(method, path, **kw)
         except httpx.HTTPError as exc:
             raise EngineError(f"{self.base_url}{path}: engine unreachable ({exc.__class__.__name__}: {exc})") from exc
         if r.status_code >= 400:
-            raise EngineError(f"{self.base_url}{path}: HTTP {r.status_code}: {r.text[:500]}")
+            raise EngineError(f"{self.base_url}{path}: HTTP {r.status_code}: {r.text[:500]}", r.status_code)
         if not r.content:
             return None
         try:
@@ -73,6 +122,13 @@ class EngineClient:
     def server_info(self) -> dict[str, Any]:
         return self._call("GET", "/server_info")
 
+    def engine_state(self) -> dict[str, Any]:
+        """The built-in engine's ``{"state", "weights_dirty", "weight_version", "session_id",
+        "pending_weight_version", "num_queued", "batch_running", "fault"}`` (``/server_info``'s
+        ``internal_states``; a real sglang server answers other keys)."""
+        states = self.server_info().get("internal_states") or [{}]
+        return dict(states[0])
+
     def parallelism_config(self, rank: int) -> dict[str, Any]:
         return self._call("GET", "/parallelism_config", params={"rank": rank})
 
@@ -102,19 +158,38 @@ class EngineClient:
 
     # -- weight updates -------------------------------------------------------------------------
     def begin_weight_update(self, selector: str = "all") -> Any:
-        return self._call("POST", "/begin_weight_update", json={"selector": selector})
+        """Open an update session on a paused engine (409 while serving or with a session open);
+        its id (the built-in engine's ``session_id``) goes with this client's session calls."""
+        out = self._call("POST", "/begin_weight_update", json={"selector": selector})
+        self.session_id = out.get("session_id") if isinstance(out, dict) else None
+        return out
 
     def end_weight_update(self) -> Any:
-        return self._call("POST", "/end_weight_update", json={})
+        """Post-load. Publishes only a version given inside the session (miles' order); otherwise
+        the engine stays paused and dirty until :meth:`update_weight_version`."""
+        return self._call("POST", "/end_weight_update", json={}, session=True)
+
+    def abort_weight_update(self) -> Any:
+        """End the session without publishing: paused, dirty at the old version (built-in engine)."""
+        out = self._call("POST", "/abort_weight_update", json={}, session=True)
+        self.session_id = None
+        return out
 
     def update_weight_version(self, version: str) -> Any:
-        return self._call("POST", "/update_weight_version", json={"new_version": version, "abort_all_requests": False})
+        """Inside a session: the version ``end_weight_update`` publishes; after it: the
+        publication (clears dirty); on clean weights: a new label. The answer's ``effect`` says
+        which (``pending``, ``published``, ``labelled``)."""
+        out = self._call("POST", "/update_weight_version", json={"new_version": version, "abort_all_requests": False},
+                         session=True)
+        if isinstance(out, dict) and out.get("effect") == "published":
+            self.session_id = None
+        return out
 
     def init_weights_update_group(self, **body: Any) -> Any:
         return self._call("POST", "/init_weights_update_group", json=body)
 
     def update_weights_from_distributed(self, **body: Any) -> Any:
-        return self._call("POST", "/update_weights_from_distributed", json=body)
+        return self._call("POST", "/update_weights_from_distributed", json=body, session=True)
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
                                    flush_cache: bool = False) -> Any:

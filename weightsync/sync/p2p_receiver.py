@@ -1,17 +1,32 @@
 """The receiving end of p2p transfers on one engine rank: transport, arena, one registration.
 
-With a transport (``shm`` on CPU, ``cuda_ipc`` on GPU, ``mooncake`` between hosts), the rank's
-parameters are carved from that transport's arena and the whole block is registered once, as
-region ``"params"``, before anything is published; senders connect with the published
-descriptor and write straight into the parameters. The receiver does nothing per update (the
-transports are one-sided). Without a transport (None) the parameters are a plain allocation
-and only the broadcast path (two-sided, :mod:`weightsync.sync.broadcast_receiver`) can update them.
+With a transport (``shm`` on CPU, ``cuda_ipc`` on GPU, ``mooncake`` between hosts), a block of
+the rank's parameter layout is carved from that transport's arena and registered once, as region
+``"params"``, before anything is published; senders connect with the published descriptor and
+write straight into it. The receiver does nothing per write (the transports are one-sided).
+Without a transport (None) the parameters are a plain allocation and only the broadcast path
+(two-sided, :mod:`weightsync.sync.broadcast_receiver`) can update them.
+
+**Staged transports** (:data:`STAGED_TRANSPORTS`: ``shm``): the registered block is an *inbox*
+(:attr:`Receiver.inbox`), not the served parameters. A shm segment can be mapped and written by
+any process of the engine's user that learns its name (``/dev/shm`` lists it), at any time; so the
+engine serves from memory of its own, copies the served parameters into the inbox when an update
+session begins (:meth:`Receiver.refresh`: writes made before the session are wiped) and the
+inbox into the parameters when the session ends (:meth:`Receiver.commit`). A write outside a
+session therefore never reaches the served weights; a write during a session is the session's
+(its verification sees it). The price: twice the parameter memory (host memory, CPU engines only)
+and two block copies per update. ``cuda_ipc`` and ``mooncake`` write in place as sglang does
+(doubling device memory is not affordable): whoever holds their handles (published only through
+the token-guarded info endpoint, respectively the Mooncake RPC port, confined to the advertised
+interface) can write the served parameters directly.
 
 Typical usage::
 
     receiver, store = Receiver.open(TransportConfig(kind="shm"), layout, device=torch.device("cpu"), rank=0)
     receiver.descriptor()        # JSON-safe dict for /get_remote_instance_transfer_engine_info
-    ...
+    receiver.refresh(store)      # begin_weight_update: the inbox starts as the served weights
+    ...                          # senders write into receiver.inbox
+    receiver.commit(store)       # end_weight_update: the inbox becomes the served weights
     store.close(); receiver.close()
 """
 
@@ -32,18 +47,38 @@ RECEIVER_TRANSPORTS = ("shm", "cuda_ipc", "mooncake")
 engine without a transport passes None."""
 
 PARAMS_REGION = "params"
+STAGED_TRANSPORTS = ("shm",)
+"""Transports whose registered block is an inbox copied in by an update session (module docstring)."""
 
 
 class Receiver:
     """The transport side of one engine rank (see the module docstring)."""
 
-    def __init__(self, kind: str, transport: Any, arena: Any, rank: int) -> None:
+    def __init__(self, kind: str, transport: Any, arena: Any, rank: int, inbox: ParamStore | None = None) -> None:
         self.kind = kind
         self._transport = transport
         self._arena = arena
+        self.inbox = inbox
+        """The registered store p2p writes land in when staged (None: they land in the served store)."""
         self._session = (
             transport.session_id if transport is not None else f"none://{socket.gethostname()}/{os.getpid()}/rank{rank}"
         )
+
+    @property
+    def staged(self) -> bool:
+        return self.inbox is not None
+
+    def write_target(self, store: ParamStore) -> ParamStore:
+        """Where writes of an update session go: the inbox when staged, else ``store`` itself."""
+        return self.inbox if self.inbox is not None else store
+
+    def refresh(self, store: ParamStore) -> int:
+        """Staged: the inbox becomes a copy of the served ``store`` (a session begins); bytes copied."""
+        return self.inbox.copy_from(store) if self.inbox is not None else 0
+
+    def commit(self, store: ParamStore) -> int:
+        """Staged: the served ``store`` becomes a copy of the inbox (a session ends); bytes copied."""
+        return store.copy_from(self.inbox) if self.inbox is not None else 0
 
     @classmethod
     def open(
@@ -65,7 +100,8 @@ class Receiver:
             rank: engine rank (names the session when there is no transport).
 
         Returns:
-            ``(receiver, store)``.
+            ``(receiver, store)``: ``store`` holds the served parameters (for a staged transport a
+            plain allocation, the registered inbox being :attr:`Receiver.inbox`).
 
         Raises:
             ValueError: an unsuitable kind.
@@ -86,14 +122,16 @@ class Receiver:
         opened = transport.make()
         try:
             arena = opened.new_arena(ParamStore.required_bytes(layout), device=device)
-            store = ParamStore(layout, device, arena=arena)
+            registered = ParamStore(layout, device, arena=arena)
             opened.register(
                 PARAMS_REGION, arena.base, arena.nbytes, device=device.index if device.type == "cuda" else HOST
             )
         except BaseException:
             opened.close()
             raise
-        return cls(kind, opened, arena, rank), store
+        if kind in STAGED_TRANSPORTS:
+            return cls(kind, opened, arena, rank, inbox=registered), ParamStore(layout, device)
+        return cls(kind, opened, arena, rank), registered
 
     @property
     def session_id(self) -> str:
@@ -105,6 +143,8 @@ class Receiver:
 
     def close(self) -> None:
         """Release the registration and the arena (idempotent)."""
+        if self.inbox is not None:
+            self.inbox.close()
         if self._transport is not None:
             self._transport.close()
             self._transport = None

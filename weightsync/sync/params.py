@@ -120,6 +120,18 @@ class ParamStore:
             size = -(-size // ALIGN_BYTES) * ALIGN_BYTES + t.numel * torch_dtype(t.dtype).itemsize
         return max(size, 1)
 
+    def copy_from(self, other: ParamStore) -> int:
+        """Copy every byte of ``other`` (a store of the same layout) into this one, as one block
+        copy (the staged receive path's commit and refresh); returns the bytes copied.
+
+        Raises:
+            ValueError: the layouts differ.
+        """
+        if other.nbytes != self.nbytes or other.names() != self.names():
+            raise ValueError("copy_from needs a store of the same layout")
+        self._buf.copy_(other._buf)
+        return self.nbytes
+
     def close(self) -> None:
         """Drop the views (the arena, if any, is its owner's to close)."""
         self._tensors.clear()

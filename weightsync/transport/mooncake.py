@@ -24,6 +24,13 @@ constructor arguments (:class:`~weightsync.transport.config.TransportConfig` car
 launcher fills them from ``MOONCAKE_PROTOCOL`` and ``MOONCAKE_DEVICE``). The Mooncake package is
 imported lazily: importing this module works without it (see :func:`mooncake_available`).
 
+Listeners: Mooncake binds its RPC (handshake) and TCP data ports to every interface in P2P mode
+whatever ``hostname`` says; right after ``initialize`` they are confined to the interface that
+holds ``hostname`` (:func:`weightsync.transport.net.confine`, ``SO_BINDTODEVICE``), so only
+that network reaches them. Whoever reaches the RPC port can fetch this process's segment
+descriptor (every registered buffer's address and length, RDMA keys) and then read and write
+that memory: registration exposes it to that network, and no token guards it.
+
 Measured on the 2-core CPU machine (tcp, 127.0.0.1): see scripts/bench_transport.py. Same-host
 CPU traffic belongs on shm; this is for other hosts.
 """
@@ -42,6 +49,7 @@ from typing import Any, ClassVar
 
 from weightsync.transport.base import Transport
 from weightsync.transport.handles import WriteBatch, WriteHandle, timeout_message
+from weightsync.transport.net import confine, interface_of, listening_sockets
 from weightsync.transport.records import Region
 
 log = logging.getLogger(__name__)
@@ -118,6 +126,7 @@ class MooncakeTransport(Transport):
         self.protocol, self.device, self.hostname = protocol, device, hostname
         self.workers, self.close_grace_s = workers, close_grace_s
         self._engine = (engine_factory or _engine_class())()
+        before = {lst.inode for lst in listening_sockets()}
         ret = self._engine.initialize(hostname, P2P_HANDSHAKE, protocol, device)
         if ret != 0:
             raise RuntimeError(
@@ -125,6 +134,7 @@ class MooncakeTransport(Transport):
                 f"returned {ret}: check the protocol/device (MOONCAKE_PROTOCOL, MOONCAKE_DEVICE)"
             )
         self._port = int(self._engine.get_rpc_port())
+        self.interface = self._confine(before)
         self._async = hasattr(self._engine, "batch_transfer_async_write")
         self._cv = threading.Condition()
         self._active: deque[tuple[Future[int], int]] = deque()
@@ -136,6 +146,24 @@ class MooncakeTransport(Transport):
         self._stopping = False
         self._thread = threading.Thread(target=self._worker, name="weightsync-mooncake", daemon=True)
         self._thread.start()
+
+    def _confine(self, before: set[int]) -> str | None:
+        """Confine the listeners ``initialize`` opened (RPC/handshake and TCP data ports, bound to
+        every interface by Mooncake in P2P mode) to the interface holding :attr:`hostname`;
+        returns its name, or None when no local interface holds that address (then they listen
+        everywhere, and the engine's documentation says what that exposes)."""
+        opened = [lst for lst in listening_sockets() if lst.inode not in before and lst.wildcard]
+        if not opened:
+            return None
+        iface = interface_of(self.hostname)
+        if iface is None:
+            log.warning("Mooncake listens on every interface (ports %s): no interface of this host holds %r",
+                        sorted(lst.port for lst in opened), self.hostname)
+            return None
+        confine(opened, iface)
+        log.info("Mooncake listeners (ports %s) confined to interface %s (%s)",
+                 sorted(lst.port for lst in opened), iface, self.hostname)
+        return iface
 
     @property
     def session_id(self) -> str:

@@ -7,9 +7,17 @@ measured copy rates). This is the CPU analogue of ``cuda_ipc``: on the 2-core ma
 ``tcp`` moved 0.34 GB/s on loopback against about 15 GB/s for memcpy, so same-host CPU traffic
 never goes through sockets.
 
-Segments are named ``<prefix>-<owner pid>-<random>``. The owner unlinks its segments on
-:meth:`ShmTransport.close` (and at garbage collection or interpreter exit if never closed);
-:func:`remove_stale_segments` removes those of owners that died without cleaning up (SIGKILL).
+Segments are named ``<prefix>-<owner pid>-n<pid namespace>-<random>``. The owner unlinks its
+segments on :meth:`ShmTransport.close` (and at garbage collection or interpreter exit if never
+closed); :func:`remove_stale_segments` removes those of owners that died without cleaning up
+(SIGKILL), and only those of this pid namespace (a pid of another namespace sharing ``/dev/shm``
+says nothing about its owner here); :func:`remove_segments` those of given owners (an engine's
+dead ranks).
+
+Who can write: a segment is mode 0600, so processes of other users cannot open it; any process of
+the owner's user that knows its name can map it and write. The engine therefore serves from
+memory of its own and treats its segment as an inbox that only an update session copies in
+(:mod:`weightsync.sync.p2p_receiver`).
 
 Typical usage (receiver)::
 
@@ -90,7 +98,7 @@ class SharedArena(Arena):
     def __init__(self, nbytes: int, *, prefix: str = DEFAULT_PREFIX, align: int = DEFAULT_ALIGN) -> None:
         if nbytes <= 0:
             raise ValueError(f"shared arena size must be positive, got {nbytes}")
-        self.segment = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+        self.segment = f"{prefix}-{os.getpid()}-n{_pid_namespace()}-{secrets.token_hex(6)}"
         self.path = SHM_DIR / self.segment
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -116,29 +124,71 @@ def list_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
     return sorted(p.name for p in SHM_DIR.glob(f"{prefix}-*"))
 
 
-def remove_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
-    """Unlink segments whose owner process (the pid in the name) no longer exists.
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where ``/proc`` does not say)."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return 0
+    return int(link[link.index("[") + 1 : -1])
 
-    Deletes files in ``/dev/shm``. Owners in another pid namespace look dead: call this only
-    where every owner runs in this namespace (one launcher per host).
+
+def segment_owner(name: str, prefix: str = DEFAULT_PREFIX) -> tuple[int, int | None] | None:
+    """``(owner pid, pid namespace or None for a name without one)`` of segment ``name``, or None
+    when the name is not one of this prefix's."""
+    if not name.startswith(prefix + "-"):
+        return None
+    fields = name[len(prefix) + 1 :].split("-")
+    try:
+        pid = int(fields[0])
+        ns = int(fields[1][1:]) if len(fields) > 2 and fields[1].startswith("n") else None
+    except ValueError:
+        return None
+    return pid, ns
+
+
+def _local_segments(prefix: str) -> list[tuple[str, int]]:
+    """``(name, owner pid)`` of the segments of this pid namespace (and of names of the older
+    form without one, whose namespace is unknown)."""
+    mine = _pid_namespace()
+    owners = [(name, segment_owner(name, prefix)) for name in list_segments(prefix)]
+    return [(name, owner[0]) for name, owner in owners if owner is not None and owner[1] in (None, mine)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by another user
+    return True
+
+
+def remove_segments(pids: set[int], prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Unlink the segments of this pid namespace owned by ``pids`` (processes that are gone:
+    an engine's dead ranks). Deletes files in ``/dev/shm``.
 
     Returns:
         The names removed.
     """
-    removed = []
-    for name in list_segments(prefix):
-        try:
-            pid = int(name[len(prefix) + 1 :].split("-", 1)[0])
-        except ValueError:
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            _unlink_quietly(SHM_DIR / name)
-            removed.append(name)
-        except PermissionError:
-            continue  # alive, owned by another user
+    removed = [name for name, pid in _local_segments(prefix) if pid in pids]
+    for name in removed:
+        _unlink_quietly(SHM_DIR / name)
     return removed
+
+
+def remove_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Unlink segments whose owner process (the pid in the name) no longer exists.
+
+    Deletes files in ``/dev/shm``; only segments of this pid namespace are considered (and names
+    of the older form without one: call this where every owner runs in this namespace, one
+    launcher per host).
+
+    Returns:
+        The names removed.
+    """
+    return remove_segments({pid for _, pid in _local_segments(prefix) if not _alive(pid)}, prefix)
 
 
 @dataclass(eq=False, kw_only=True)
