@@ -22,10 +22,19 @@ import argparse
 import logging
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
-from weightsync.launch.config import ClusterSpec, EnvSettings, RunConfig, RunMode, env_settings
+from weightsync.launch.config import (
+    ClusterSpec,
+    Deadlines,
+    EnvSettings,
+    RunConfig,
+    RunMode,
+    env_settings,
+    writable_dir,
+)
 from weightsync.models import list_models
 from weightsync.models.fit import cuda_device_count, fit_profile, plan_nodes, profile_sizes
 from weightsync.models.profiles import get_profile
@@ -75,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "deterministic update of every weight that learns nothing (default on cpu)")
     p.add_argument("--group-size", type=int, default=4, help="GRPO samples per prompt (megatron trainer)")
     p.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (megatron trainer)")
+    p.add_argument("--update-retries", type=int, default=0,
+                   help="try a failed update (a rank's or engine's error, a checksum mismatch) again from scratch up "
+                        "to N times before stopping; the engines stay paused and dirty at the old version until an "
+                        "attempt verifies (default 0: stop at the first failure)")
+    p.add_argument("--deadlines", default="",
+                   help="KEY=SECONDS,... replacing the default deadline of each wait: "
+                        + ", ".join(f"{f.name.removesuffix('_s')} ({f.default:g})" for f in fields(Deadlines)))
 
 
 def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
@@ -87,6 +103,7 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
     if args.model not in list_models():
         raise ValueError(f"unknown model {args.model!r}; known: {', '.join(list_models())}")
     mode = RunMode.parse(args.mode)
+    deadlines = Deadlines.parse(args.deadlines)
     if args.node_rank < 0:
         raise ValueError(f"--node-rank must be >= 0, got {args.node_rank}")
     profile = get_profile(args.model)
@@ -135,7 +152,12 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
                          + "; --placement colocated shares the GPUs")
     cluster = (ClusterSpec(num_nodes=num_nodes, node_rank=args.node_rank, head_ip=args.head_ip, port=env.ray_port,
                            timeout_s=env.node_timeout_s, gpus=device == "cuda") if multi_node else None)
+    if args.hf_checkpoint is None:  # a given checkpoint's own shapes are checked once it is read
+        _check_layouts(args.model, scale, train, rollout)
     log_dir = env.log_dir or Path("logs") / f"{args.model}_{mode}_{time.strftime('%Y%m%d-%H%M%S')}"
+    writable_dir(log_dir, "MILES_LOG_DIR" if env.log_dir else "the log directory")
+    if env.ckpt_dir.exists() and not env.ckpt_dir.is_dir():
+        raise ValueError(f"CKPT_SAVE_DIR {env.ckpt_dir} is a file, not a directory: point it at a directory")
     return RunConfig(model=args.model, scale=scale, mode=mode, device=device, train=train, rollout=rollout,
                      num_steps=args.num_rollout, env=env,
                      # every node writes its processes' logs under the head's directory, by absolute path
@@ -144,7 +166,26 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
                      embedded_default=embedded, engine_urls=urls, dtype=args.dtype,
                      hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic, nodes=nodes, cluster=cluster,
                      placement=placement, trainer=args.trainer or ("megatron" if device == "cuda" else "synthetic"),
-                     group_size=args.group_size, lr=args.lr)
+                     group_size=args.group_size, lr=args.lr, update_retries=args.update_retries,
+                     deadlines=deadlines)
+
+
+def _check_layouts(model: str, scale: str, train: Any, rollout: Any) -> None:
+    """Refuse parallel sizes the model cannot be split by (the registry's shapes at ``scale``).
+
+    Raises:
+        ValueError: naming ``--train`` or ``--rollout`` and what does not divide.
+    """
+    from weightsync.layout.megatron import check_trainer_config
+    from weightsync.layout.sglang import check_engine_parallel
+    from weightsync.models import get_model
+
+    spec = get_model(model, scale)
+    for flag, check, sizes in (("--train", check_trainer_config, train), ("--rollout", check_engine_parallel, rollout)):
+        try:
+            check(spec, sizes)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -171,6 +212,11 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, FileExistsError) as exc:  # prepare's errors name the checkpoint and what is wrong
         print(f"weightsync run: prepare: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # CKPT_SAVE_DIR not writable (a read-only mount, a file in the path, a full disk)
+        print(f"weightsync run: prepare: CKPT_SAVE_DIR {env.ckpt_dir}: cannot write "
+              f"{exc.filename or env.ckpt_dir} ({exc.strerror or exc}); point CKPT_SAVE_DIR at a writable directory",
+              file=sys.stderr)
+        return 2
     weights = weights_label(hf_dir)
     print(f"trainer: {SYNTHETIC_LABEL if cfg.trainer == 'synthetic' else 'megatron-core GRPO'}; placement "
           f"{cfg.placement}", flush=True)
@@ -178,15 +224,25 @@ def main(args: argparse.Namespace) -> int:
           f"{'SYNTHETIC (seeded random-init, not a trained model)' if weights == 'synthetic' else weights}; "
           f"logs {cfg.log_dir}", flush=True)
     try:
-        if cfg.cluster is None:
-            summary = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir).run()
+        # the checkpoint's own shapes against the layouts, before any process starts
+        session = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir) if cfg.cluster is None else None
+    except ValueError as exc:
+        print(f"weightsync run: {exc}", file=sys.stderr)
+        return 2
+    stop_on_signals()
+    try:
+        if session is not None:
+            summary = session.run()
         else:
             summary = _head(cfg, hf_dir.absolute(), torch_dist_dir.absolute())
     except (RunError, EngineError, TrainerError) as exc:
-        # The message says what failed (a trainer rank's traceback is in it); the launcher's own
-        # stack adds nothing.
+        # The message says what failed (a trainer rank's traceback is in its log); the launcher's
+        # own stack adds nothing.
         print(f"weightsync run: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: everything this run started was stopped on the way out
+        print("weightsync run: interrupted; every process this run started is stopped", file=sys.stderr)
+        return 130
     except RuntimeError as exc:  # the cluster's errors say what to check
         from weightsync.launch.cluster import ClusterError
 
@@ -195,6 +251,19 @@ def main(args: argparse.Namespace) -> int:
         print(f"weightsync run: {exc}", file=sys.stderr)
         return 1
     return 0 if summary["validation_passed"] else 1
+
+
+def stop_on_signals() -> None:
+    """SIGTERM (and SIGHUP) end the run as Ctrl-C does: a KeyboardInterrupt in the main thread, so
+    that the session's teardown stops every trainer rank and engine it started. (A SIGKILL cannot
+    be caught: the children's parent-death signal ends them then.)"""
+    import signal
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
 
 
 def _head(cfg: RunConfig, hf_dir: Path, torch_dist_dir: Path) -> dict:

@@ -299,7 +299,17 @@ def _resolve_hf_source(cfg: PrepareConfig, paths: CheckpointPaths, say: Callable
         return HFSource(path=paths.hf.resolve(), in_place=True)
     request = (marker or {}).get("request", {})
     if marker is not None and request.get("source") != "synthetic":
-        return HFSource(path=paths.hf.resolve(), in_place=True, recorded=request)
+        from weightsync.sources.output_dir import damage
+
+        why = damage(paths.hf, marker)
+        if not why:
+            return HFSource(path=paths.hf.resolve(), in_place=True, recorded=request)
+        origin = Path(str(request.get("source")))
+        if not origin.is_dir():
+            raise ValueError(f"{paths.hf}, the copy of {origin} an earlier prepare made, is damaged ({why}) and "
+                             f"{origin} is gone: pass --hf-checkpoint DIR (or remove {paths.hf})")
+        say(f"HF checkpoint: {paths.hf} is damaged ({why}): copying {origin} again")
+        return HFSource(path=origin.resolve(), repo=str(request.get("repo", "")))
     kind, _ = parse_scale(cfg.scale)
     if kind == "tiny" or cfg.synthetic or (marker is not None and not cfg.fetch):
         if kind == "tiny" and not cfg.synthetic and marker is None:
@@ -336,6 +346,7 @@ def _source_spec(cfg: PrepareConfig, paths: CheckpointPaths, source: HFSource) -
     foreign = source.in_place and source.recorded is None and source.path == paths.hf.resolve() \
         and cfg.hf_checkpoint is None
     try:
+        _check_files_whole(source.path)
         spec = model_spec(cfg.model, cfg.scale, checkpoint=source.path, dtype=cfg.dtype)
         check_hf_checkpoint(source.path, spec)
     except ValueError as exc:
@@ -344,6 +355,20 @@ def _source_spec(cfg: PrepareConfig, paths: CheckpointPaths, source: HFSource) -
                                   f"Move it away, pass --hf-checkpoint, or choose another --ckpt-dir") from None
         raise
     return spec
+
+
+def _check_files_whole(path: Path) -> None:
+    """Refuse a checkpoint with a ``.safetensors`` file that is not whole (truncated, a bad header).
+
+    Raises:
+        ValueError: naming the directory, the file and what is wrong.
+    """
+    from weightsync.sources.output_dir import safetensors_damage
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        why = safetensors_damage(f)
+        if why:
+            raise ValueError(f"HF checkpoint {path}: {why}")
 
 
 def _prompt_source(cfg: PrepareConfig, say: Callable[[str], None]) -> Path | None:
