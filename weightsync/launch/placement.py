@@ -16,6 +16,11 @@ got:
 Addresses: an engine binds its HTTP (and publishes its Mooncake session) on its host's real
 address when a peer -- the launcher or a trainer rank -- is on another host, and on loopback
 otherwise (:attr:`EngineEndpoint.remote`); rendezvous ports are picked on the host that binds them.
+
+Token: the engines' access token is ``WEIGHTSYNC_TOKEN``; a placement whose engines bind an
+address beyond loopback makes one when it is unset (an engine refuses to serve there without
+one). It reaches the engines in their environment and every client of the launcher and of the
+trainer ranks (:func:`weightsync.sync.engine_client.configure_token`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -32,14 +38,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from weightsync.launch.config import TOKEN_ENV, Deadlines, env_token
 from weightsync.launch.procs import AttachedEngine, EngineProc, TrainerError
 from weightsync.launch.trainer_worker import Cmd, WorkerConfig, worker_main
 from weightsync.models.fit import NodePlan
 from weightsync.proc import free_port
+from weightsync.sync.engine_client import configure_token
+from weightsync.transport.net import is_loopback
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+DIE_WITH_PARENT = "--die-with-parent"
+"""``weightsync serve``'s flag: the engine stops when the process that started it dies."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,12 +119,21 @@ class Placement(ABC):
 
     kind: str = ""
 
-    def __init__(self, log_dir: Path, nodes: NodePlan) -> None:
+    def __init__(self, log_dir: Path, nodes: NodePlan, *, needs_token: bool = False) -> None:
+        """``needs_token``: engines will bind beyond loopback, so make a token when none is set."""
         self.log_dir = log_dir
         self.nodes = nodes
         self.engines: list[Any] = []
         self._ranks: list[RankChannel] = []
         self._pool = ThreadPoolExecutor(max_workers=16)
+        self.deadlines = Deadlines()
+        """The run's deadlines (the session sets its own): HTTP calls, commands, the failure grace, stops."""
+        self.token = env_token()
+        """The engines' access token (module docstring); None: none."""
+        if self.token is None and needs_token:
+            self.token = secrets.token_urlsafe(32)
+            os.environ[TOKEN_ENV] = self.token  # processes started from here inherit it
+        configure_token(self.token)
 
     # -- addresses ------------------------------------------------------------------------------
     @abstractmethod
@@ -160,7 +180,8 @@ class Placement(ABC):
 
     def attach_engines(self, urls: Sequence[str]) -> None:
         """Use engines that are already serving (they are left running on close)."""
-        self.engines.extend(AttachedEngine(len(self.engines) + i, u) for i, u in enumerate(urls))
+        self.engines.extend(AttachedEngine(len(self.engines) + i, u, self.token, timeout_s=self.deadlines.engine_call_s)
+                            for i, u in enumerate(urls))
 
     def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` in the launcher's thread pool (a future)."""
@@ -183,37 +204,70 @@ class Placement(ABC):
         """Wait until every trainer rank has loaded its shards."""
         return self._collect(timeout_s, "start-up")
 
-    def command(self, cmd: Cmd, arg: Any = None, *, timeout_s: float = 600.0) -> list[Any]:
+    def command(self, cmd: Cmd, arg: Any = None, *, timeout_s: float | None = None) -> list[Any]:
         """Send ``cmd`` to every trainer rank; the answers in rank order.
 
+        Args:
+            timeout_s: default the run's ``command`` deadline.
+
         Raises:
-            TrainerError: any rank failed (every failing rank's traceback is in the message).
+            TrainerError: any rank failed (the first failure first, with its traceback), or a
+                rank did not answer in time (named, with the deadline).
         """
         for ch in self._ranks:
             ch.send((cmd, arg))
-        return self._collect(timeout_s, str(cmd))
+        return self._collect(self.deadlines.command_s if timeout_s is None else timeout_s, str(cmd))
 
-    def command_async(self, cmd: Cmd, arg: Any = None, *, timeout_s: float = 600.0) -> Any:
+    def command_async(self, cmd: Cmd, arg: Any = None, *, timeout_s: float | None = None) -> Any:
         """:meth:`command` in a background thread (a future), to overlap with engine calls."""
         return self._pool.submit(self.command, cmd, arg, timeout_s=timeout_s)
 
     def _collect(self, timeout_s: float, what: str) -> list[Any]:
-        end = time.monotonic() + timeout_s
+        """Every rank's answer to ``what``, watching all ranks at once: the first rank that fails
+        (an error answer, or its exit) stops the wait within ``failure_grace_s`` -- the others,
+        often waiting for it in a collective, get that long to report -- and its error comes first.
+
+        Raises:
+            TrainerError: as :meth:`command`.
+        """
+        t0 = time.monotonic()
+        grace = self.deadlines.failure_grace_s
         out: list[Any] = [None] * len(self._ranks)
-        errors: list[str] = []
-        for rank, ch in enumerate(self._ranks):
-            while not ch.poll(0.1):
+        waiting = set(range(len(self._ranks)))
+        failures: list[tuple[float, str]] = []
+        while waiting:
+            for rank in sorted(waiting):
+                ch = self._ranks[rank]
+                if ch.poll(0):
+                    try:
+                        status, payload = ch.recv()
+                    except (EOFError, OSError):  # the rank's end of the pipe closed: it died
+                        waiting.discard(rank)
+                        failures.append((time.monotonic(), f"trainer rank {rank} died during {what} "
+                                                           f"({_exit_of(ch)})"))
+                        continue
+                    waiting.discard(rank)
+                    if status == "error":
+                        failures.append((time.monotonic(), str(payload)))
+                    out[rank] = payload
+                    continue
                 why = ch.dead()
-                if why:
-                    raise TrainerError(f"trainer rank {rank} died during {what} ({why})")
-                if time.monotonic() > end:
-                    raise TrainerError(f"trainer rank {rank}: no answer to {what} within {timeout_s:.0f} s")
-            status, payload = ch.recv()
-            if status == "error":
-                errors.append(payload)
-            out[rank] = payload
-        if errors:
-            raise TrainerError("\n".join(errors))
+                if why and not ch.poll(0.05):  # its last answer may still be on the way
+                    waiting.discard(rank)
+                    failures.append((time.monotonic(), f"trainer rank {rank} died during {what} ({why})"))
+            now = time.monotonic()
+            if failures and waiting and now - failures[0][0] >= grace:
+                failures.append((now, f"trainer rank(s) {sorted(waiting)} did not answer {what} within {grace:g} s "
+                                      "of that failure (waiting for the failed rank, presumably)"))
+                break
+            if waiting and now - t0 > timeout_s:
+                raise TrainerError(f"trainer rank(s) {sorted(waiting)}: no answer to {what} within {timeout_s:g} s "
+                                   "(the command deadline, run --deadlines command=SECONDS)")
+            if waiting:
+                self._ranks[min(waiting)].poll(0.05)
+        if failures:  # the cause first: a rank's own error or death before its peers' broken collectives
+            ordered = sorted(failures, key=lambda f: (_collateral(f[1]), f[0]))
+            raise TrainerError("\n".join(text for _, text in ordered))
         return out
 
     # -- results and teardown -------------------------------------------------------------------
@@ -233,10 +287,27 @@ class Placement(ABC):
         for e in self.engines:
             e.request_stop()
         for ch in self._ranks:
-            ch.join(10.0)
+            ch.join(self.deadlines.stop_s)
         for e in self.engines:
             e.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "did not answer")
+"""What a rank reports when a peer of its process group died or stopped answering (gloo's words):
+the consequence of another rank's failure, listed after it."""
+
+
+def _collateral(text: str) -> bool:
+    return any(c in text for c in COLLATERAL)
+
+
+def _exit_of(ch: RankChannel, wait_s: float = 2.0) -> str:
+    """How a rank whose channel closed ended (its exit, once the process is reaped)."""
+    end = time.monotonic() + wait_s
+    while not ch.dead() and time.monotonic() < end:
+        time.sleep(0.05)
+    return ch.dead() or "its channel closed"
 
 
 # -- this host ------------------------------------------------------------------------------------
@@ -284,7 +355,7 @@ class LocalPlacement(Placement):
     def __init__(self, log_dir: Path, nodes: NodePlan, *, host: str = LOOPBACK) -> None:
         if nodes.num_nodes != 1:
             raise ValueError(f"a local placement runs on one host; this run spans {nodes.num_nodes} nodes")
-        super().__init__(log_dir, nodes)
+        super().__init__(log_dir, nodes, needs_token=not is_loopback(host))
         self.host = host
 
     def trainer_host(self, rank: int) -> str:
@@ -300,7 +371,10 @@ class LocalPlacement(Placement):
     def _start_engine(self, ep: EngineEndpoint, argv: list[str]) -> EngineProc:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        return EngineProc(ep.index, argv, ep.url, Path(self.engine_log(ep.index)), env)
+        if DIE_WITH_PARENT not in argv:  # the launcher's death, even a SIGKILL, stops the engine
+            argv = [*argv, DIE_WITH_PARENT]
+        return EngineProc(ep.index, argv, ep.url, Path(self.engine_log(ep.index)), env, token=self.token,
+                          timeout_s=self.deadlines.engine_call_s, stop_s=self.deadlines.stop_s)
 
     def _spawn_trainer(self, rank: int, cfg: WorkerConfig) -> RankChannel:
         return _PipeChannel(rank, cfg)

@@ -33,12 +33,12 @@ AGENT_CALL_TIMEOUT_S = 60.0
 class _RayEngine:
     """One engine started by its agent on its node, reached over HTTP from here."""
 
-    def __init__(self, index: int, url: str, agent: Any, node: int) -> None:
+    def __init__(self, index: int, url: str, agent: Any, node: int, token: str | None) -> None:
         self.index = index
         self.url = url
         self.node = node
         self.agent = agent
-        self.client = EngineClient(url)
+        self.client = EngineClient(url, token=token)
 
     def _call(self, method: str, *args: Any, default: Any = None) -> Any:
         import ray
@@ -67,11 +67,11 @@ class _RayEngine:
 class _RayChannel(RankChannel):
     """A trainer rank started by its agent; each command is one call of the agent."""
 
-    def __init__(self, rank: int, agent: Any, node: int, cfg: WorkerConfig) -> None:
+    def __init__(self, rank: int, agent: Any, node: int, cfg: WorkerConfig, token: str | None) -> None:
         self.rank = rank
         self.agent = agent
         self.node = node
-        self._ref = agent.start_trainer.remote(rank, cfg)
+        self._ref = agent.start_trainer.remote(rank, cfg, token)
         self._stop_ref: Any = None
 
     def send(self, msg: tuple[Any, Any]) -> None:
@@ -126,7 +126,7 @@ class RayPlacement(Placement):
 
         from weightsync.launch.ray_agent import NodeAgent
 
-        super().__init__(log_dir, nodes)
+        super().__init__(log_dir, nodes, needs_token=True)
         if nodes.num_nodes != len(cluster.nodes):
             raise ClusterError(f"the run's plan spans {nodes.num_nodes} nodes, the cluster has {len(cluster.nodes)}")
         self.cluster = cluster
@@ -212,11 +212,11 @@ class RayPlacement(Placement):
         import ray
 
         agent = self._engine_agents[ep.index]
-        ray.get(agent.start_engine.remote(ep.index, argv, ep.url), timeout=AGENT_CALL_TIMEOUT_S)
-        return _RayEngine(ep.index, ep.url, agent, ep.node)
+        ray.get(agent.start_engine.remote(ep.index, argv, ep.url, self.token), timeout=AGENT_CALL_TIMEOUT_S)
+        return _RayEngine(ep.index, ep.url, agent, ep.node, self.token)
 
     def _spawn_trainer(self, rank: int, cfg: WorkerConfig) -> RankChannel:
-        return _RayChannel(rank, self._trainer_agents[rank], self.nodes.trainer[rank].node, cfg)
+        return _RayChannel(rank, self._trainer_agents[rank], self.nodes.trainer[rank].node, cfg, self.token)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "nodes": {str(r): a for r, a in self.cluster.nodes.items()}}

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from weightsync.launch.config import TOKEN_ENV
 from weightsync.sync.engine_client import EngineClient
 from weightsync.transport import TransportConfig, TransportKind
 
@@ -29,14 +30,21 @@ class EngineProc:
     """One engine: its ``weightsync serve`` process and its HTTP client."""
 
     def __init__(self, index: int, argv: Sequence[str], url: str, log_path: Path, env: dict[str, str], *,
-                 preexec_fn: Callable[[], None] | None = None) -> None:
+                 preexec_fn: Callable[[], None] | None = None, token: str | None = None, timeout_s: float = 600.0,
+                 stop_s: float = 15.0) -> None:
+        """``token``: the engine's (in its environment as ``WEIGHTSYNC_TOKEN``, never on its
+        command line) and sent by its client; None: the environment's, if any. ``timeout_s``: per
+        HTTP call of its client; ``stop_s``: how long :meth:`stop` waits before it kills."""
         self.index = index
         self.url = url
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 -- closed in stop()
+        if token is not None:
+            env = {**env, TOKEN_ENV: token}
         self.proc = subprocess.Popen(list(argv), stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=preexec_fn)
-        self.client = EngineClient(url)
+        self.client = EngineClient(url, token=token, timeout_s=timeout_s)
+        self.stop_s = stop_s
         self._stopping = False
 
     def alive(self) -> bool:
@@ -59,7 +67,7 @@ class EngineProc:
         if self.alive():
             self.request_stop()
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=self.stop_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
@@ -69,10 +77,10 @@ class EngineProc:
 class AttachedEngine:
     """An engine this run did not start (``--engine-urls``): reached over HTTP, never stopped."""
 
-    def __init__(self, index: int, url: str) -> None:
+    def __init__(self, index: int, url: str, token: str | None = None, *, timeout_s: float = 600.0) -> None:
         self.index = index
         self.url = url
-        self.client = EngineClient(url)
+        self.client = EngineClient(url, token=token, timeout_s=timeout_s)
 
     def alive(self) -> bool:
         return True

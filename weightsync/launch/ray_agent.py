@@ -29,12 +29,16 @@ from weightsync.proc import die_with_parent, free_port
 log = logging.getLogger(__name__)
 
 
-def _node_env(ip: str) -> dict[str, str]:
-    """This node's environment for a rank's process: collectives on the interface of ``ip``."""
+def _node_env(ip: str, token: str | None = None) -> dict[str, str]:
+    """This node's environment for a rank's process: collectives on the interface of ``ip``; the
+    engines' access token as ``WEIGHTSYNC_TOKEN``."""
     from weightsync.launch.cluster import interface_of
+    from weightsync.launch.config import TOKEN_ENV
 
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if token is not None:
+        env[TOKEN_ENV] = token
     iface = interface_of(ip)
     if iface:
         env.setdefault("GLOO_SOCKET_IFNAME", iface)
@@ -78,14 +82,14 @@ class NodeAgent:
         return free_port(self.ip)
 
     # -- an engine ------------------------------------------------------------------------------
-    def start_engine(self, index: int, argv: list[str], url: str) -> str:
-        """Start engine ``index`` (``argv[0]``, the launcher's Python, becomes this node's);
-        returns its log path."""
+    def start_engine(self, index: int, argv: list[str], url: str, token: str | None = None) -> str:
+        """Start engine ``index`` (``argv[0]``, the launcher's Python, becomes this node's) with
+        the run's ``token``; returns its log path."""
         from weightsync.launch.procs import EngineProc
 
         path = self.log_dir / f"engine{index}.log"
         self._engine = EngineProc(index, [sys.executable, *argv[1:]], url, path, _node_env(self.ip),
-                                  preexec_fn=die_with_parent)
+                                  preexec_fn=die_with_parent, token=token)
         return str(path)
 
     def engine_alive(self) -> bool:
@@ -103,15 +107,15 @@ class NodeAgent:
             self._engine.stop()
 
     # -- a trainer rank -------------------------------------------------------------------------
-    def start_trainer(self, rank: int, cfg: Any) -> tuple[str, Any]:
-        """Spawn trainer rank ``rank`` (its Mooncake address this node's) and wait for its
-        start-up answer."""
+    def start_trainer(self, rank: int, cfg: Any, token: str | None = None) -> tuple[str, Any]:
+        """Spawn trainer rank ``rank`` (its Mooncake address this node's; the engines' ``token`` in
+        its environment) and wait for its start-up answer."""
         ctx = mp.get_context("spawn")
         self._rank = rank
         self._conn, child = ctx.Pipe()
         cfg = replace(cfg, transport=replace(cfg.transport, mooncake_hostname=self.ip))
         path = str(self.log_dir / f"trainer{rank}.log")
-        self._proc = ctx.Process(target=_trainer_main, args=(rank, cfg, child, path, _node_env(self.ip)),
+        self._proc = ctx.Process(target=_trainer_main, args=(rank, cfg, child, path, _node_env(self.ip, token)),
                                  name=f"trainer-rank{rank}", daemon=True)
         self._proc.start()
         child.close()

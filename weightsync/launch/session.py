@@ -45,7 +45,7 @@ from weightsync.layout.sglang import engine_layout
 from weightsync.models.resolve import model_spec
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
-from weightsync.sync.engine_client import EngineError
+from weightsync.sync.engine_client import EngineClient, EngineError
 from weightsync.sync.engines import Engines
 from weightsync.sync.updater import UpdaterConfig
 from weightsync.transport import TransportConfig
@@ -79,6 +79,8 @@ class RunSession:
         self.hf_dir = hf_dir
         self.torch_dist_dir = torch_dist_dir
         self.procs = placement if placement is not None else LocalPlacement(cfg.log_dir, cfg.node_plan, host=cfg.host)
+        self.procs.deadlines = cfg.deadlines
+        self._gen_clients: list[EngineClient] = []
         self.inputs = build_inputs(self.spec, cfg.train, cfg.rollout, trainer_layout=trainer_layout,
                                    engine_layout=engine_layout)
         self.steps: list[dict[str, Any]] = []
@@ -109,6 +111,8 @@ class RunSession:
         finally:
             # the trainer ranks' updaters take the run's weight-update groups off the engines as
             # they stop (engines this run did not start keep serving)
+            for c in self._gen_clients:
+                c.close()
             self.procs.close()
 
     def _transport(self) -> TransportConfig:
@@ -143,16 +147,20 @@ class RunSession:
                             master_port=self.procs.trainer_port(0), device=cfg.device, bucket_bytes=cfg.bucket_bytes,
                             transport=transport, seed=cfg.seed, trainer=cfg.trainer, gpus=self._trainer_gpus(),
                             lr=cfg.lr, group_size=cfg.group_size,
-                            synthetic_weights=_is_synthetic(self.hf_dir))
+                            synthetic_weights=_is_synthetic(self.hf_dir),
+                            collective_timeout_s=cfg.deadlines.collective_s, fault_hook=cfg.env.fault_hook)
         if cfg.engine_urls:
             self.procs.attach_engines(cfg.engine_urls)
             self.check_engines()  # before any trainer rank exists: nothing to undo on a mismatch
             self.procs.spawn_trainers(wcfg)
         else:
             self.procs.spawn_trainers(wcfg)  # they load their shards while the engines start
-            self.procs.start_engines(argv, timeout_s=300)
+            self.procs.start_engines(argv, timeout_s=cfg.deadlines.engine_start_s)
             self.check_engines()
-        self.procs.wait_trainers(timeout_s=300)
+        self.procs.wait_trainers(timeout_s=cfg.deadlines.trainer_start_s)
+        # generation requests take longer than a control call: clients of their own
+        self._gen_clients = [EngineClient(e.url, timeout_s=cfg.deadlines.generate_s, token=self.procs.token)
+                             for e in self.procs.engines]
         self.setup_updater()
 
     def _trainer_gpus(self) -> tuple[int, ...]:
@@ -241,8 +249,11 @@ class RunSession:
                                "needs them on one host here: use p2p, or a layout whose pipeline stages' first ranks "
                                "share a node")
             host = hosts.pop()
+        d = self.cfg.deadlines
         return UpdaterConfig(mode=self.cfg.mode.value, bucket_bytes=self.cfg.bucket_bytes, transport=self._transport(),
-                             colocated=self.cfg.placement == "colocated", verify_every=1, master_address=host)
+                             colocated=self.cfg.placement == "colocated", verify_every=1, master_address=host,
+                             deadline_s=d.write_s, http_timeout_s=d.engine_call_s, group_timeout_s=d.group_s,
+                             update_retries=self.cfg.update_retries)
 
     def setup_updater(self) -> None:
         """Every trainer rank builds its :class:`~weightsync.sync.updater.WeightUpdater` (plan
@@ -281,7 +292,7 @@ class RunSession:
              "return_logprob": True, "return_prompt_token_ids": True}
             for chunk in chunks
         ]
-        futures = [self.procs.submit(e.client.generate, b) for e, b in zip(self.procs.engines, bodies, strict=True)]
+        futures = [self.procs.submit(c.generate, b) for c, b in zip(self._gen_clients, bodies, strict=True)]
         outs = [f.result() for f in futures]
         samples: list[dict[str, Any]] = []
         for out, chunk in zip(outs, chunks, strict=True):
@@ -317,6 +328,7 @@ class RunSession:
             "post_load_engine_s": stats["post_load_engine_s"], "bytes": stats["bytes"],
             "bytes_per_receiver": stats["bytes_per_receiver"], "buckets": stats["buckets"],
             "update_verified": stats["verified"], "verify_s": verify_s,
+            "attempts": stats.get("attempts", 1), "failed_attempts": stats.get("failed_attempts", []),
         }
 
     def initial_update(self) -> dict[str, Any]:
@@ -399,7 +411,7 @@ class RunSession:
 
         body = {"text": list(PARITY_PROMPTS), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_logprob": True, "logprob_start_len": 0}
-        outs = self.procs.on_engines(lambda c: c.generate(body))
+        outs = [f.result() for f in [self.procs.submit(c.generate, body) for c in self._gen_clients]]
         held = as_engine_holds(self.spec, read)
         want = [reference_prompt_logprobs(self.spec, held, self.hf_dir, prompt) for prompt in PARITY_PROMPTS]
         worst = 0.0
@@ -455,8 +467,10 @@ class RunSession:
                        f"{t['grad_norm']:.3g}, train/rollout logprob |d| {t['logprob_diff']:.3g}")
         elif t:
             trained = "; trainer synthetic (no learning)"
+        n = record.get("attempts", 1)
+        retried = f" (attempt {n}; earlier: {'; '.join(record['failed_attempts'])[:300]})" if n > 1 else ""
         print(f"step {record['step']}: {record['mode']} ({record.get('path', record['mode'])}) update "
-              f"{record['update_s'] * 1e3:.1f} ms, {record['bytes'] / 1e6:.2f} MB, validation "
+              f"{record['update_s'] * 1e3:.1f} ms{retried}, {record['bytes'] / 1e6:.2f} MB, validation "
               f"{'pass' if ok else val}{trained}", flush=True)
 
 

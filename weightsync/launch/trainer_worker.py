@@ -29,7 +29,9 @@ Protocol (launcher -> every rank, in this order)::
 
 from __future__ import annotations
 
+import datetime
 import enum
+import importlib
 import logging
 import os
 import sys
@@ -94,6 +96,12 @@ class WorkerConfig:
     """megatron: GRPO's ratio clip."""
     synthetic_weights: bool = True
     """megatron: the checkpoint is synthetic (the toy token reward; else the math reward)."""
+    collective_timeout_s: float = 300.0
+    """The trainer ranks' process groups: a collective not complete within this long fails
+    (a rank that died or hangs is then named by the launcher)."""
+    fault_hook: str = ""
+    """Tests only (``WEIGHTSYNC_FAULT_HOOK``): ``module:function[:argument]`` called as
+    ``function(worker, argument)`` once the rank's updater is built ("": none)."""
 
     def __post_init__(self) -> None:
         if self.trainer not in TRAINERS:
@@ -114,10 +122,11 @@ class Worker:
         device = f"cuda:{self.gpu}" if self.gpu is not None else cfg.device
         megatron = cfg.trainer == "megatron"
         backend = "nccl" if megatron and cfg.device == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
         dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank,
-                                world_size=cfg.train.world_size)
+                                world_size=cfg.train.world_size, timeout=timeout)
         # The updater's group: control messages are host objects (gloo), whatever trains on NCCL.
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.updater: Any = None
         if megatron:
             from weightsync.sources.megatron_model import init_parallel_state
@@ -147,6 +156,8 @@ class Worker:
             self.updater = WeightUpdater(self.params, spec=self.spec, train=self.cfg.train,
                                          engine_urls=arg["engine_urls"], group=self.group, config=arg["config"],
                                          source_regions=self.regions)
+        if self.cfg.fault_hook:
+            fault_hook(self.cfg.fault_hook)(self)
         sender = self.updater.p2p_sender
         return {"ops": self.updater.num_ops, "plan_s": self.updater.plan_s,
                 "bytes": 0 if sender is None else sender.bytes_direct + sender.bytes_staged,
@@ -222,11 +233,30 @@ def trainer_gpu(rank: int) -> int:
     return (n - 1 - rank) % n
 
 
+def fault_hook(spec: str) -> Any:
+    """The test hook ``module:function[:argument]`` as a callable of the worker.
+
+    Raises:
+        ValueError: not of that form, or the function cannot be imported (named).
+    """
+    parts = spec.split(":", 2)
+    if len(parts) < 2 or not all(parts[:2]):
+        raise ValueError(f"WEIGHTSYNC_FAULT_HOOK {spec!r}: expected module:function[:argument]")
+    try:
+        fn = getattr(importlib.import_module(parts[0]), parts[1])
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"WEIGHTSYNC_FAULT_HOOK {spec!r}: {exc}") from None
+    arg = parts[2] if len(parts) == 3 else ""
+    return lambda worker: fn(worker, arg)
+
+
 def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:
     """Entry point of a spawned trainer rank: serve commands until STOP (or the pipe closes)."""
     from weightsync.launch.config import env_token
+    from weightsync.proc import die_with_parent
     from weightsync.sync.engine_client import configure_token
 
+    die_with_parent()  # the launcher's death (even SIGKILL) ends this rank
     configure_token(env_token())  # the engines' token, inherited from the launcher
     logging.basicConfig(level=logging.INFO, format=f"[trainer rank{rank}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise

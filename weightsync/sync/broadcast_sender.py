@@ -14,6 +14,7 @@ without being told.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections import defaultdict
@@ -90,7 +91,8 @@ class BroadcastSender:
             layout: its local tensors.
             params: its parameters by local name.
             group: ``{"master_address", "master_port", "world_size", "backend", "group_names":
-                {source rank: group name}, "ports": {source rank: port}}``; None: join no
+                {source rank: group name}, "ports": {source rank: port}}`` and optionally
+                ``"timeout_s"`` (joining, and each broadcast); None: join no
                 weight-update group (only :meth:`wire_bucket` / :meth:`full_tensors` are used,
                 e.g. to hand the tensors over another way).
             device: ``cpu`` or ``cuda``.
@@ -112,7 +114,8 @@ class BroadcastSender:
             self.group = new_weight_update_group(
                 master_address=group["master_address"], master_port=int(group["ports"][str(rank)]), rank=0,
                 world_size=int(group["world_size"]), group_name=group["group_names"][str(rank)],
-                backend=group["backend"])
+                backend=group["backend"],
+                **({"timeout": datetime.timedelta(seconds=float(group["timeout_s"]))} if "timeout_s" in group else {}))
 
     def _global(self, rank: int) -> int:
         """The default-group rank of trainer rank ``rank`` (torch's send/recv take those)."""

@@ -48,7 +48,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,6 +104,14 @@ class UpdaterConfig:
     """A p2p write not complete within this long fails the update."""
     http_timeout_s: float = 600.0
     """Per engine HTTP request."""
+    group_timeout_s: float = 600.0
+    """Broadcast over a group: joining a weight-update group, and one broadcast over it (the
+    trainer side's gloo / NCCL timeout)."""
+    update_retries: int = 0
+    """A failed attempt of an update (a rank's or engine's error, a checksum mismatch) is tried
+    again from scratch -- engines re-queried, senders rebuilt, every byte rewritten, verified --
+    this many times before :class:`UpdateError` is raised; the engines stay paused and dirty at
+    the old version until an attempt verifies."""
     master_address: str = "127.0.0.1"
     """Broadcast over a group: the address the engines reach the stage sources' group stores at."""
     group_prefix: str = "weightsync"
@@ -116,8 +124,11 @@ class UpdaterConfig:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.verify_every < 0:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
-        if self.deadline_s <= 0 or self.http_timeout_s <= 0:
-            raise ValueError("deadline_s and http_timeout_s must be positive")
+        if self.deadline_s <= 0 or self.http_timeout_s <= 0 or self.group_timeout_s <= 0:
+            raise ValueError("deadline_s, http_timeout_s and group_timeout_s must be positive")
+        if self.update_retries < 0:
+            raise ValueError(f"update_retries must be >= 0 (0: the first failed attempt raises), got "
+                             f"{self.update_retries}")
 
     @property
     def modes(self) -> tuple[Mode, ...]:
@@ -150,6 +161,10 @@ class UpdateStats:
     """True: every engine parameter's checksum matched; None: not verified this update."""
     per_rank: list[dict[str, Any]] = field(default_factory=list)
     """Each trainer rank's write stats."""
+    attempts: int = 1
+    """Attempts it took (more than 1 with :attr:`UpdaterConfig.update_retries`)."""
+    failed_attempts: list[str] = field(default_factory=list)
+    """Why each earlier attempt failed."""
 
     @property
     def write_s(self) -> float:
@@ -238,6 +253,8 @@ class WeightUpdater:
         self._tensor: TensorSender | None = None
         self._verifier: Verifier | None = None
         self._groups: dict[str, str] = {}
+        self._stale = False
+        """An attempt failed since the senders were built: the next update rebuilds them first."""
         self.inputs: PlanInputs
         self._set_up(self._discover())
 
@@ -395,7 +412,7 @@ class WeightUpdater:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         names = {str(s): f"{self.config.group_prefix}_src{s}_{self._generation}" for s in sources}
         group = {"master_address": host, "world_size": world, "backend": backend, "ports": ports,
-                 "group_names": names}
+                 "group_names": names, "timeout_s": self.config.group_timeout_s}
         joins = []
         if self.rank == 0:  # the engines join while the sources host their groups (both block)
             joins = [self.engines.submit(c.init_weights_update_group, master_address=host,
@@ -426,7 +443,14 @@ class WeightUpdater:
         return bool(k) and (self._count - 1) % k == 0
 
     def update(self, version: int | str, *, mode: str | Mode | None = None) -> UpdateStats:
-        """One whole update into every engine (collective over the group; see the module docstring).
+        """One whole update into every engine, as a transaction (collective over the group; see
+        the module docstring).
+
+        The engines stay paused from ``pause_generation`` until the written weights verified;
+        only then ``update_weight_version`` publishes them and ``continue_generation`` resumes.
+        A failed attempt aborts every engine's session (paused, dirty at the old version) and,
+        with :attr:`UpdaterConfig.update_retries`, is retried from scratch (engines re-queried,
+        senders rebuilt, every byte rewritten and verified).
 
         Args:
             version: the weight version the engines report afterwards.
@@ -436,27 +460,74 @@ class WeightUpdater:
             The update's stats (the same on every rank).
 
         Raises:
-            UpdateError: a rank's write, an engine call or the verification failed (named); the
-                engines stay paused.
+            UpdateError: every attempt failed: a rank's write, an engine call or the verification
+                (the last attempt's cause named); the engines stay paused and dirty at the old
+                version.
         """
         if self.engines is None:
             raise UpdateError("this updater drives no engines (it was built from published tables): use write()")
         m = self._mode(mode)
         self._count += 1
         version = str(version)
+        attempts = 1 + self.config.update_retries
+        failures: list[str] = []
+        for attempt in range(1, attempts + 1):
+            try:
+                if attempt > 1 or self._stale:
+                    self._rebuild()
+                stats = self._attempt(version, m, verify=self._due() or attempt > 1)
+            except UpdateError as exc:
+                failures.append(str(exc))
+                if attempt == attempts:
+                    if attempts > 1:
+                        raise UpdateError(f"update to version {version}: all {attempts} attempts failed; the last: "
+                                          f"{exc}") from None
+                    raise
+                log.warning("[rank%d] update to version %s, attempt %d of %d failed; trying again from scratch: %s",
+                            self.rank, version, attempt, attempts, exc)
+                continue
+            except BaseException:  # the trainer group itself failed (a rank died): nothing to retry with
+                self._stale = True
+                if self.rank == 0 and self.engines is not None:
+                    _abort_sessions(self.engines, min(ABORT_WAIT_S, self.config.http_timeout_s))
+                raise
+            return replace(stats, attempts=attempt, failed_attempts=failures)
+        raise AssertionError("unreachable")
+
+    def _rebuild(self) -> None:
+        """Before a retry: query the engines again and rebuild every sender (a restarted engine's
+        new addresses, fresh weight-update groups; collective).
+
+        Raises:
+            UpdateError: the engines cannot be reached or set up (named).
+        """
+        try:
+            self._close_senders()
+            self._set_up(self._discover())
+        except ValueError as exc:
+            raise UpdateError(f"setting the update up again: {exc}") from None
+        self._stale = False
+
+    def _attempt(self, version: str, m: Mode, *, verify: bool) -> UpdateStats:
+        """One attempt of :meth:`update`.
+
+        Raises:
+            UpdateError: any part failed (named); the engines' sessions are aborted.
+        """
         eng = self.engines
+        assert eng is not None
         marks: dict[str, float] = {}
 
         def pause_begin() -> None:
             marks["t0"] = time.perf_counter()
             eng.each(lambda c: c.pause_generation(), what="pause_generation")
             marks["t1"] = time.perf_counter()
-            eng.each(lambda c: c.begin_weight_update(), what="begin_weight_update")
+            eng.each(_begin, what="begin_weight_update")
 
         try:
             self._from_rank0(pause_begin)
         except (UpdateError, ValueError) as exc:
-            _held(version, [str(exc)])
+            self._held(version, [str(exc)])
         error = None
         local: dict[str, Any] = {}
         try:
@@ -468,7 +539,7 @@ class WeightUpdater:
         marks["t2"] = time.perf_counter()
         errors = [e for e, _ in everyone if e]
         if errors:
-            _held(version, errors)
+            self._held(version, errors)
         results = [r for _, r in everyone]
 
         def end() -> list[Any]:
@@ -479,14 +550,17 @@ class WeightUpdater:
         try:
             ends = self._from_rank0(end)
         except (UpdateError, ValueError) as exc:
-            _held(version, [str(exc)])
+            self._held(version, [str(exc)])
         verified: bool | None = None
         tv = time.perf_counter()
-        if self._verifier is not None and self._due():
+        if self._verifier is not None and verify:
             expected = self._verifier.expected()
-            bad = self._from_rank0(lambda: self._verifier.compare(eng, expected))  # type: ignore[union-attr]
+            try:
+                bad = self._from_rank0(lambda: self._verifier.compare(eng, expected))  # type: ignore[union-attr]
+            except (UpdateError, ValueError) as exc:
+                self._held(version, [f"verification: {exc}"])
             if bad:
-                _held(version, ["checksums differ: " + "; ".join(bad)])
+                self._held(version, ["checksums differ: " + "; ".join(bad)])
             verified = True
         verify_s = time.perf_counter() - tv
 
@@ -499,8 +573,21 @@ class WeightUpdater:
         try:
             times = self._from_rank0(finish)
         except (UpdateError, ValueError) as exc:
-            _held(version, [str(exc)])
+            self._held(version, [str(exc)])
         return self._stats(version, m, results, ends, times, verify_s, verified)
+
+    def _held(self, version: str, errors: Sequence[str]) -> None:
+        """The failure step of an attempt: rank 0 aborts every engine's session (each stays paused,
+        dirty at its old version: nothing of this attempt is ever served), and every rank raises
+        the cause.
+
+        Raises:
+            UpdateError: always.
+        """
+        self._stale = True
+        if self.rank == 0 and self.engines is not None:
+            _abort_sessions(self.engines, min(ABORT_WAIT_S, self.config.http_timeout_s))
+        _held(version, errors)
 
     def _mode(self, mode: str | Mode | None) -> Mode:
         modes = self.config.modes
@@ -582,10 +669,31 @@ class WeightUpdater:
             announce = eng.submit(eng.each, lambda c: c.update_weights_from_distributed(
                 names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=False),
                 what="update_weights_from_distributed")
-        r = self._bcast.send_bucket(bucket.names)
+            # An engine that refuses the bucket never receives it: the source's broadcast would
+            # wait out the group's timeout. Taking the engines off the group ends it at once (the
+            # peers close their connections); the next attempt builds new groups.
+            announce.add_done_callback(lambda f, name=group_name: f.exception() is not None
+                                       and self._drop_group(name))
+        try:
+            r = self._bcast.send_bucket(bucket.names)
+        except Exception:
+            if announce is not None and announce.done() and announce.exception() is not None:
+                raise announce.exception() from None  # the engine's refusal is the cause
+            raise
         if announce is not None:
-            announce.result()
+            announce.result(timeout=self.config.http_timeout_s)
         return r
+
+    def _drop_group(self, name: str) -> None:
+        """Every engine leaves weight-update group ``name`` (best effort; it is not joined again)."""
+        assert self.engines is not None
+        for e, c in enumerate(self.engines.clients):
+            try:
+                c.destroy_weights_update_group(name)
+            except Exception as exc:  # it may never have joined
+                log.warning("[rank%d] %s: leaving weight-update group %s: %s", self.rank, self.engines.where(e),
+                            name, exc)
+        self._groups = {k: v for k, v in self._groups.items() if v != name}
 
     def full_tensors(self) -> Iterator[dict[str, torch.Tensor]]:
         """The trainer's full (global) tensors, bucket by bucket of the broadcast plan, in the
@@ -625,6 +733,7 @@ class WeightUpdater:
             return False
         self._close_senders()
         self._set_up(found)
+        self._stale = False
         return True
 
     # -- resources ------------------------------------------------------------------------------
@@ -697,15 +806,50 @@ def _engines(urls: Sequence[str], timeout_s: float) -> Engines:
     return Engines(list(urls), timeout_s=timeout_s)
 
 
+def _begin(client: Any) -> Any:
+    """``begin_weight_update``; on a session still open from an earlier update whose holder is
+    gone (a killed run, an abort that did not arrive: 409), that session is aborted first -- this
+    updater drives the engine now, and the new session recovers it."""
+    from weightsync.sync.engine_client import EngineError
+
+    try:
+        return client.begin_weight_update()
+    except EngineError as exc:
+        if exc.status != 409 or "in progress" not in str(exc):
+            raise
+    log.warning("%s: an earlier update's session is still open; aborting it to begin this one", client.base_url)
+    client.session_id = None  # whichever session is open
+    client.abort_weight_update()
+    return client.begin_weight_update()
+
+
+ABORT_WAIT_S = 10.0
+"""How long a failed attempt waits for the engines to acknowledge ``abort_weight_update``."""
+
+
+def _abort_sessions(engines: Engines, wait_s: float) -> None:
+    """``abort_weight_update`` on every engine, waiting at most ``wait_s`` (an engine that is
+    gone or refuses is logged: its session was not opened, or it is replaced by the next one)."""
+    from concurrent.futures import wait
+
+    futures = {engines.submit(c.abort_weight_update): i for i, c in enumerate(engines.clients)}
+    done, late = wait(futures, timeout=wait_s)
+    for f in done:
+        if f.exception() is not None:
+            log.warning("%s: abort_weight_update: %s", engines.where(futures[f]), f.exception())
+    for f in late:
+        log.warning("%s: abort_weight_update not answered within %.0f s", engines.where(futures[f]), wait_s)
+
+
 def _held(version: str, errors: Sequence[str]) -> None:
-    """The failure step of an update: the engines stay paused, the error names the cause.
+    """The error of a failed update: the engines stay paused and dirty, the message names the cause.
 
     Raises:
         UpdateError: always.
     """
-    log.error("update to version %s failed, engines left paused: %s", version, "; ".join(errors))
-    raise UpdateError(f"update to version {version} failed; the engines stay paused (their weights may be partly "
-                      f"written: update again or restart them): " + "; ".join(errors))
+    log.error("update to version %s failed, engines left paused and dirty: %s", version, "; ".join(errors))
+    raise UpdateError(f"update to version {version} failed; the engines stay paused and dirty at their old version "
+                      f"(nothing of this update is served; the next update recovers them): " + "; ".join(errors))
 
 
 def megatron_train_parallel(model: torch.nn.Module, spec: ModelSpec, group: Any) -> TrainParallel:

@@ -1,0 +1,215 @@
+"""Fault injection into whole runs (``weightsync run``, tiny Qwen3-4B on CPU, shm): the must-show of
+writes dropped at step k -- a client records the weight version of every answer an engine gives
+while the run goes on, and none is served from step k's unverified weights --, a trainer rank
+killed mid-update (its own death is what the run reports, at once), and the launcher killed
+(every process it started ends, no shm segment is left).
+
+The first two attach one engine (``--engine-urls``) that lives through the module: each failed
+run leaves it paused at the old version, and the next run's first update recovers it. Faults are
+``tests/fault_hooks.py``'s, reached through ``WEIGHTSYNC_FAULT_HOOK`` (tests only).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e_helpers import (  # noqa: F401 -- the e2e_ckpt fixture
+    PYTHON,
+    REPO_ROOT,
+    e2e_ckpt_fixture,
+    run_cli,
+    run_env,
+)
+from tests.test_e2e_cli import qwen_engine
+from tests.test_faults_update import _state
+from weightsync.sync.engine_client import EngineClient, EngineError
+
+RUN = ["run", "Qwen3-4B", "--train", "tp=1,cp=1,world=1", "--rollout", "tp=1", "--mode", "p2p"]
+PROBE = {"text": "The weights of version", "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+         "return_logprob": True, "logprob_start_len": 0}
+"""A greedy request whose prompt logprobs are a fingerprint of the weights that computed them."""
+
+
+engine = qwen_engine  # the fixture: Qwen3-4B tiny, TP 1, shm, from the shared prepared checkpoint
+
+
+class Recorder:
+    """Asks the engine one greedy question after another, recording every answer's weight
+    version and prompt logprobs (answers cut short by a pause are left out: they have none)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.answers: list[tuple[str, list[float]]] = []
+        self.refused: list[int | None] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Recorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _loop(self) -> None:
+        c = EngineClient(self.url, timeout_s=5.0)
+        while not self._stop.is_set():
+            try:
+                out = c.generate(PROBE)
+            except EngineError as exc:
+                self.refused.append(exc.status)
+                time.sleep(0.05)
+                continue
+            if (out["meta_info"].get("finish_reason") or {}).get("type") == "abort":
+                continue
+            self.answers.append((str(out["meta_info"]["weight_version"]),
+                                 [r[0] for r in out["meta_info"]["input_token_logprobs"] if r[0] is not None]))
+        c.close()
+
+    def by_version(self) -> dict[str, list[list[float]]]:
+        out: dict[str, list[list[float]]] = {}
+        for v, fp in self.answers:
+            out.setdefault(v, []).append(fp)
+        return out
+
+
+def _spread(fps: list[list[float]]) -> float:
+    return max(abs(a - b) for fp in fps for a, b in zip(fp, fps[0], strict=True))
+
+
+@pytest.mark.timeout(400)
+def test_trainer_rank_killed_mid_update(engine: str, e2e_ckpt: Path, tmp_path: Path):
+    """Trainer rank 1 SIGKILLed as update 1 writes: the run ends within seconds naming that rank's
+    death (not a timeout of rank 0 waiting for it); the engine is left paused at version 0."""
+    t0 = time.monotonic()
+    run = run_cli(["run", "Qwen3-4B", "--train", "tp=2,cp=1,world=2", "--rollout", "tp=1", "--mode", "p2p",
+                   "--num-rollout", "2", "--engine-urls", engine],
+                  ckpt_dir=e2e_ckpt, log_dir=tmp_path, env={"WEIGHTSYNC_FAULT_HOOK": "tests.fault_hooks:kill_rank:1:1"})
+    took = time.monotonic() - t0
+    assert run.returncode == 1, run.describe()
+    assert "trainer rank 1 died during update" in run.output, run.describe()
+    assert "step 0:" in run.output, run.describe()
+    assert "step 1:" not in run.output, run.describe()
+    assert took < 120, f"{took:.0f} s"
+    s = _state(engine)
+    assert (s["state"], s["weight_version"], s["session_id"]) == ("paused", "0", None), s
+
+
+@pytest.mark.timeout(600)
+def test_writes_dropped_at_step_k_are_never_served(engine: str, e2e_ckpt: Path, tmp_path: Path):
+    """The must-show: writes silently dropped at step 2.
+
+    Without retries the run stops at step 2's verification, naming the checksums; no answer ever
+    carries version 2; the engine stays paused at version 1 and serves nothing. With
+    ``--update-retries 1`` the next run (which recovers the engine by its first update) retries
+    step 2 from scratch, verifies it, and only then publishes: every answer labelled 2 was
+    computed with step 2's verified weights -- its logprobs are those of every other answer
+    labelled 2, and not those of version 1.
+    """
+    hook = {"WEIGHTSYNC_FAULT_HOOK": "tests.fault_hooks:drop_writes:2"}
+    with Recorder(engine) as rec:
+        run = run_cli([*RUN, "--num-rollout", "3", "--engine-urls", engine], ckpt_dir=e2e_ckpt,
+                      log_dir=tmp_path / "stop", env=hook)
+        time.sleep(1.0)
+    assert run.returncode == 1, run.describe()
+    assert "update to version 2 failed" in run.output, run.describe()
+    assert "checksums differ: engine 0" in run.output, run.describe()
+    assert "step 1:" in run.output, run.describe()
+    assert "step 2:" not in run.output, run.describe()
+    versions = [v for v, _ in rec.answers]
+    assert "1" in versions, versions
+    assert "2" not in versions, "an answer was served from step 2's unverified weights"
+    s = _state(engine)
+    assert (s["state"], s["weight_version"]) == ("paused", "1"), s
+    assert s["weights_dirty"], s  # the dropped update reached the served weights: refused, not served
+    assert 503 in rec.refused, rec.refused
+
+    # (SKIP_VALIDATION: the step-0 equality check compares with the engine's weights at the start,
+    # which are the failed run's version 1 here, not the checkpoint's; every other check runs)
+    with Recorder(engine) as rec:
+        run = run_cli([*RUN, "--num-rollout", "3", "--update-retries", "1", "--engine-urls", engine],
+                      ckpt_dir=e2e_ckpt, log_dir=tmp_path / "retry", env={**hook, "SKIP_VALIDATION": "1"})
+        time.sleep(1.0)
+    assert run.returncode == 0, run.describe()
+    step2 = run.steps[2]
+    assert step2["attempts"] == 2, step2
+    assert "checksums differ" in step2["failed_attempts"][0], step2
+    assert all(v in ("pass", "skipped") for s in run.steps for v in s["validation"].values()), run.steps
+    assert all(s["validation"]["checksums"] == "pass" for s in run.steps), run.steps
+    seen = rec.by_version()
+    assert {"1", "2", "3"} <= set(seen), sorted(seen)
+    for v, fps in seen.items():
+        assert _spread(fps) < 1e-4, f"answers labelled {v} came from different weights"
+    assert max(abs(a - b) for a, b in zip(seen["2"][0], seen["1"][0], strict=True)) > 1e-4, \
+        "version 2's answers have version 1's logprobs"
+    s = _state(engine)
+    assert (s["state"], s["weights_dirty"], s["weight_version"]) == ("serving", False, "3"), s
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                kids = [int(x) for x in (t / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(400)
+def test_launcher_killed_ends_every_process(e2e_ckpt: Path, tmp_path: Path):
+    """SIGKILL of ``weightsync run`` mid-run: its engine (and the engine's ranks) and its trainer
+    ranks end within seconds, and none of their shm segments is left."""
+    from weightsync.transport.shm import segment_owner
+
+    out_path = tmp_path / "out.txt"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([PYTHON, "-m", "weightsync.cli", *RUN, "--num-rollout", "50"], cwd=REPO_ROOT,
+                                env=run_env(e2e_ckpt, tmp_path / "logs"), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 300
+        while "step 1:" not in out_path.read_text() and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.2)
+        assert "step 1:" in out_path.read_text(), out_path.read_text()[-3000:]
+        children = _descendants(proc.pid)
+        assert len(children) >= 3, children  # an engine with its rank, a trainer rank
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        end = time.monotonic() + 30
+        while any(_alive(p) for p in children) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not [p for p in children if _alive(p)], "processes outlived the killed launcher"
+        owners = {proc.pid, *children}
+        left = [p.name for p in Path("/dev/shm").glob("weightsync-*")
+                if (segment_owner(p.name) or (None,))[0] in owners]
+        assert not left, left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in _descendants(proc.pid):
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
