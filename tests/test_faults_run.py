@@ -181,9 +181,11 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(400)
-def test_launcher_killed_ends_every_process(e2e_ckpt: Path, tmp_path: Path):
-    """SIGKILL of ``weightsync run`` mid-run: its engine (and the engine's ranks) and its trainer
-    ranks end within seconds, and none of their shm segments is left."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_launcher_killed_ends_every_process(sig: signal.Signals, e2e_ckpt: Path, tmp_path: Path):
+    """SIGKILL (or SIGTERM) of ``weightsync run`` mid-run: its engine (and the engine's ranks) and
+    its trainer ranks end within seconds, and none of their shm segments is left; SIGTERM stops
+    them itself and exits 130."""
     from weightsync.transport.shm import segment_owner
 
     out_path = tmp_path / "out.txt"
@@ -197,8 +199,9 @@ def test_launcher_killed_ends_every_process(e2e_ckpt: Path, tmp_path: Path):
         assert "step 1:" in out_path.read_text(), out_path.read_text()[-3000:]
         children = _descendants(proc.pid)
         assert len(children) >= 3, children  # an engine with its rank, a trainer rank
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.kill(proc.pid, sig)
+        rc = proc.wait(timeout=60)
+        assert rc == (-9 if sig == signal.SIGKILL else 130), (rc, out_path.read_text()[-2000:])
         end = time.monotonic() + 30
         while any(_alive(p) for p in children) and time.monotonic() < end:
             time.sleep(0.2)
