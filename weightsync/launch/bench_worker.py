@@ -268,9 +268,11 @@ class BenchRank:
             from weightsync.sync.p2p_receiver import Receiver
 
             layout = list(self.inputs.dest_layout(self.local))
-            self.receiver, self.store = Receiver.open(
+            self.receiver, served = Receiver.open(
                 self.cfg.transport, layout, device=self.device, rank=self.local % self.cfg.rollout.tp
             )
+            # the benchmark measures writes into the registered memory (a staged transport's inbox)
+            self.store = self.receiver.write_target(served)
             self.expected = expected_store(self.data, self.store, self.spec)
             if self.store.derived_names():
                 from weightsync.launch.bench_colocated import reference_derived
