@@ -28,9 +28,15 @@ One update (:meth:`WeightUpdater.update`, collective over the group)::
     verify                                             (every ``verify_every`` updates: checksums)
     update_weight_version -> continue_generation       (rank 0)
 
-On any failure the engines stay paused and :class:`UpdateError` names the failing rank or
-engine (:func:`_held`). :meth:`WeightUpdater.refresh` picks up engines added or restarted
-between updates; :meth:`WeightUpdater.close` releases everything.
+The update is a transaction: the engines stay paused until the written weights verified, and
+only ``update_weight_version`` publishes them. On any failure rank 0 aborts every engine's session
+(each stays paused at its old version, dirty where anything reached its served weights, so
+nothing of the attempt is served) and :class:`UpdateError` names the failing rank or engine; with
+``UpdaterConfig.update_retries`` the attempt is first repeated from scratch (engines re-queried,
+senders rebuilt). The next update after a failure rebuilds the senders too, and recovers an
+engine left paused, dirty or with a dead holder's session open. :meth:`WeightUpdater.refresh`
+picks up engines added or restarted between updates; :meth:`WeightUpdater.close` releases
+everything.
 
 Typical usage (every trainer rank)::
 
@@ -79,7 +85,7 @@ MODES = ("p2p", "broadcast", "both")
 
 class UpdateError(RuntimeError):
     """An update failed; the message names the failing trainer rank or engine. The engines stay
-    paused (their weights may be partly written): update again, or restart them."""
+    paused at their old version and serve nothing of it: the next update recovers them."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
