@@ -33,12 +33,13 @@ AGENT_CALL_TIMEOUT_S = 60.0
 class _RayEngine:
     """One engine started by its agent on its node, reached over HTTP from here."""
 
-    def __init__(self, index: int, url: str, agent: Any, node: int, token: str | None) -> None:
+    def __init__(self, index: int, url: str, agent: Any, node: int, token: str | None, *, timeout_s: float = 600.0
+                 ) -> None:
         self.index = index
         self.url = url
         self.node = node
         self.agent = agent
-        self.client = EngineClient(url, token=token)
+        self.client = EngineClient(url, token=token, timeout_s=timeout_s)  # per control call
 
     def _call(self, method: str, *args: Any, default: Any = None) -> Any:
         import ray
@@ -213,7 +214,7 @@ class RayPlacement(Placement):
 
         agent = self._engine_agents[ep.index]
         ray.get(agent.start_engine.remote(ep.index, argv, ep.url, self.token), timeout=AGENT_CALL_TIMEOUT_S)
-        return _RayEngine(ep.index, ep.url, agent, ep.node, self.token)
+        return _RayEngine(ep.index, ep.url, agent, ep.node, self.token, timeout_s=self.deadlines.engine_call_s)
 
     def _spawn_trainer(self, rank: int, cfg: WorkerConfig) -> RankChannel:
         return _RayChannel(rank, self._trainer_agents[rank], self.nodes.trainer[rank].node, cfg, self.token)
