@@ -74,3 +74,36 @@ def test_reset_leaves_vocab_padding_zero(engine_and_ckpt: tuple[Engine, str]) ->
 def test_compare_without_snapshot_is_refused(engine_and_ckpt: tuple[Engine, str]) -> None:
     with pytest.raises(ValueError, match="no snapshot"):
         engine_and_ckpt[0].checker.compare()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the pinned staging path)")
+def test_checksums_of_gpu_parameters_through_the_pinned_buffer_equal_one_shot_xxh64(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import xxhash
+
+    from weightsync.engine import checker as checker_mod
+    from weightsync.layout.sglang import engine_layout
+    from weightsync.models import get_model
+    from weightsync.models.parallel import RolloutParallel
+    from weightsync.sync.params import ParamStore
+
+    monkeypatch.setattr(checker_mod, "HASH_CHUNK", 4096)  # several chunks per tensor, a short last one
+    store = ParamStore(engine_layout(get_model("Qwen3-4B", "tiny"), RolloutParallel(), 0), torch.device("cuda"))
+    for _, t in store.items():
+        t.view(torch.uint8).random_(0, 256)
+    got = checker_mod.WeightChecker(store).checksum()["checksums"]
+    want = {n: xxhash.xxh64(t.cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest() for n, t in store.items()}
+    assert got == want
+
+
+def test_a_pinned_host_store_is_an_ordinary_store_without_cuda() -> None:
+    from weightsync.layout.sglang import engine_layout
+    from weightsync.models import get_model
+    from weightsync.models.parallel import RolloutParallel
+    from weightsync.sync.params import ParamStore
+
+    layout = engine_layout(get_model("Qwen3-4B", "tiny"), RolloutParallel(), 0)
+    store = ParamStore(layout, torch.device("cpu"), pin=True)
+    assert store.names() == [t.name for t in layout]
+    assert all(t.device.type == "cpu" and not t.any() for _, t in store.items())
+    assert store["model.embed_tokens.weight"].is_pinned() == torch.cuda.is_available()

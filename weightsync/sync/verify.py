@@ -87,7 +87,9 @@ class Verifier:
 
     def _host_stores(self) -> list[ParamStore]:
         if self._stores is None:
-            self._stores = [ParamStore(list(layout), torch.device("cpu")) for layout in self.inputs.engine_layouts]
+            # page-locked where CUDA is: the full tensors come from the GPU (ParamStore's ``pin``)
+            self._stores = [ParamStore(list(layout), torch.device("cpu"), pin=True)
+                            for layout in self.inputs.engine_layouts]
         return self._stores
 
     def expected(self) -> dict[int, dict[str, str]] | None:
