@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.launch.config import ClusterSpec
-from weightsync.proc import die_with_parent, free_port
+from weightsync.proc import die_with_parent, free_port, log_tail
 
 log = logging.getLogger(__name__)
 
@@ -165,10 +165,7 @@ class RayNode:
         return self.proc.poll() is None
 
     def tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.out_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return log_tail(self.out_path, n)
 
     def wait_up(self, ready: Callable[[], bool], *, timeout_s: float = RAY_START_TIMEOUT_S) -> None:
         """Wait until ``ready()``; ray start exiting or the deadline is an error with its output.

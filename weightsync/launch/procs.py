@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from weightsync.launch.config import TOKEN_ENV
+from weightsync.proc import log_tail
 from weightsync.sync.engine_client import EngineClient
 from weightsync.transport import TransportConfig, TransportKind
 
@@ -51,10 +52,7 @@ class EngineProc:
         return self.proc.poll() is None
 
     def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
     def request_stop(self) -> None:
         """Ask the engine to shut down (SIGTERM) without waiting; :meth:`stop` waits."""

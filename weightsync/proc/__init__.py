@@ -31,6 +31,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def log_tail(path: str | os.PathLike[str], n: int) -> str:
+    """The last ``n`` lines of the log file at ``path`` ("" when it cannot be read): what a
+    launcher shows of a child process that failed."""
+    try:
+        with open(path, errors="replace") as f:
+            return "\n".join(f.read().splitlines()[-n:])
+    except OSError:
+        return ""
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Have the kernel send this process ``sig`` (SIGKILL by default) when its parent dies, however
     it dies (Linux ``PR_SET_PDEATHSIG``); exit at once if the parent is already gone. A process that
