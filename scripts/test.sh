@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the test suite in .venv (made by scripts/setup.sh). Extra arguments go to pytest, e.g.
+# Lint (ruff) and run the test suite in .venv (made by scripts/setup.sh). Extra arguments go to pytest, e.g.
 #   bash scripts/test.sh -m "not slow"      bash scripts/test.sh tests/test_setup_imports.py -x
 # pytest's exit code 5 ("no tests collected") is turned into a failure: a run that tests nothing
 # must not pass.
@@ -7,6 +7,12 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 [[ -x .venv/bin/python ]] || { echo "[test] no .venv: run 'bash scripts/setup.sh' first" >&2; exit 1; }
+
+# Lint first (ruff, pinned in the test extras): a lint error fails the run as a test would.
+.venv/bin/python -m ruff check --quiet weightsync tests scripts examples || {
+    echo "[test] ERROR: ruff found lint errors (above); fix them or run: .venv/bin/ruff check --fix ..." >&2
+    exit 1
+}
 
 .venv/bin/python -m pytest -q "${@:-tests}"
 rc=$?

@@ -167,7 +167,8 @@ def _engine_state(url: str) -> tuple[str, dict[str, str]]:
         # the embedded default of Qwen3-4B needs an engine of TP 2
         pytest.param(["Qwen3-4B"], "tp_size=1 (this run needs 2)", id="another-layout"),
         pytest.param(["Qwen3-30B-A3B", "--train", "tp=1,ep=1,world=1", "--rollout", "tp=1,ep=1"],
-                     "is a Qwen3ForCausalLM (qwen3 family); Qwen3-30B-A3B serves Qwen3MoeForCausalLM", id="another-model"),
+                     "is a Qwen3ForCausalLM (qwen3 family); Qwen3-30B-A3B serves Qwen3MoeForCausalLM",
+                     id="another-model"),
     ],
 )
 def test_mismatched_engine_is_refused_before_any_byte(argv: list[str], named: str, qwen_engine: str, e2e_ckpt: Path,

@@ -86,7 +86,9 @@ def test_family_and_flags(name: str) -> None:
     assert spec.qk_norm == name.startswith("Qwen3")
     assert spec.tie_word_embeddings == (name == "Qwen3-4B")
     if spec.family is Family.GLM4_MOE:
-        assert spec.attention_bias and spec.partial_rotary_factor == 0.5 and spec.num_shared_experts == 1
+        assert spec.attention_bias
+        assert spec.partial_rotary_factor == 0.5
+        assert spec.num_shared_experts == 1
 
 
 def test_kimi_k2_fp8_blocks_are_64() -> None:
@@ -135,7 +137,8 @@ def test_truncated_glm5_variants_equal_glm5_at_layers() -> None:
     for name, n, moe in (("GLM-5_4layer", 4, 1), ("GLM-5_20layer", 20, 17)):
         variant = get_model(name)
         cut = get_model("GLM-5", f"layers={n}")
-        assert variant.num_layers == n and variant.first_k_dense_replace == 3
+        assert variant.num_layers == n
+        assert variant.first_k_dense_replace == 3
         assert sum(variant.is_moe_layer(i) for i in range(n)) == moe
         shapes = {k: (t.shape, t.dtype) for k, t in global_tensors(variant).items()}
         assert shapes == {k: (t.shape, t.dtype) for k, t in global_tensors(cut).items()}
@@ -165,7 +168,8 @@ def test_layers_n_keeps_dense_and_moe(name: str, n: int) -> None:
 @pytest.mark.parametrize("name", ["Qwen3-4B", "Qwen3-30B-A3B"])
 def test_layers_n_without_dense_layers(name: str) -> None:
     spec = get_model(name, "layers=1")
-    assert spec.num_layers == 1 and spec.first_k_dense_replace == 0
+    assert spec.num_layers == 1
+    assert spec.first_k_dense_replace == 0
 
 
 @pytest.mark.parametrize("name", DENSE_AND_MOE)
@@ -206,7 +210,7 @@ def test_tiny_is_small_and_divisible(name: str) -> None:
             assert tiny.num_experts % size == 0
             assert tiny.moe_intermediate_size % size == 0
         if tiny.fp8_block is not None:
-            b0, b1 = tiny.fp8_block
+            b0, _b1 = tiny.fp8_block
             assert (tiny.moe_intermediate_size // size) % b0 == 0
             assert (tiny.intermediate_size // size) % b0 == 0
     if not tiny.is_mla:
@@ -228,11 +232,11 @@ def test_scale_spec_and_parse_scale() -> None:
 
 
 def test_unknown_model_names_known_ones() -> None:
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="unknown model") as err:
         get_model("qwen3-4b")
     for name in ALL:
         assert name in str(err.value)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="Kimi-K2-Instruct") as err:
         get_profile("Kimi-K2-Instruct")
     assert "Kimi-K2" in str(err.value)
 
@@ -283,12 +287,15 @@ def test_profile_consistent_with_model(name: str) -> None:
     assert r.world_size == p.num_rollout_gpus
     if t.pp_last_stage_layers is not None:
         rest = spec.num_layers - t.pp_last_stage_layers
-        assert rest > 0 and rest % (t.pp - 1) == 0
+        assert rest > 0
+        assert rest % (t.pp - 1) == 0
     else:
         assert spec.num_layers % t.pp == 0
-    assert spec.num_attention_heads % t.tp == 0 and spec.num_attention_heads % r.attn_tp == 0
+    assert spec.num_attention_heads % t.tp == 0
+    assert spec.num_attention_heads % r.attn_tp == 0
     if spec.is_moe:
-        assert spec.num_experts % t.ep == 0 and spec.num_experts % r.ep == 0
+        assert spec.num_experts % t.ep == 0
+        assert spec.num_experts % r.ep == 0
 
 
 def test_cli_list_json() -> None:
@@ -297,7 +304,8 @@ def test_cli_list_json() -> None:
     rows = json.loads(out)
     assert [row["model"] for row in rows] == ALL
     kimi = rows[ALL.index("Kimi-K2")]
-    assert kimi["family"] == "deepseek_v3" and kimi["fp8_block"] == [64, 64]
+    assert kimi["family"] == "deepseek_v3"
+    assert kimi["fp8_block"] == [64, 64]
     assert kimi["profile"]["rollout"]["num_engines"] == 8
     assert kimi["engine_bytes"] < kimi["bytes"]
     assert rows[ALL.index("Qwen3-4B")]["bytes"] == 2 * rows[ALL.index("Qwen3-4B")]["params"]

@@ -41,7 +41,8 @@ def _inputs(model: str, scale: str, rollout_gpu: int):
 def test_prediction_within_25_percent(model: str, scale: str, gpu: int, measured: float) -> None:
     inputs = _inputs(model, scale, gpu)
     est = simulate_update(build_plan(inputs, "p2p"), inputs)
-    assert abs(est.seconds / measured - 1) <= 0.25, f"predicted {est.seconds * 1e3:.2f} ms, measured {measured * 1e3:.2f}"
+    assert abs(est.seconds / measured - 1) <= 0.25, (
+        f"predicted {est.seconds * 1e3:.2f} ms, measured {measured * 1e3:.2f}")
 
 
 def test_fp8_update_is_bound_by_packing() -> None:

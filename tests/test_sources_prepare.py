@@ -197,7 +197,7 @@ def test_bad_checkpoint_refused_nothing_written(tmp_path, damage, message):
 def test_other_model_refused(tmp_path):
     src = tmp_path / "downloaded"
     _real_checkpoint(src, model="Qwen3-4B")
-    with pytest.raises(ValueError, match="is a Qwen3ForCausalLM .*Qwen3-30B-A3B serves Qwen3MoeForCausalLM"):
+    with pytest.raises(ValueError, match=r"is a Qwen3ForCausalLM .*Qwen3-30B-A3B serves Qwen3MoeForCausalLM"):
         prep.prepare(_cfg(tmp_path, hf_checkpoint=src), say=lambda s: None)
     assert _listing(tmp_path / "ckpt") == []
 

@@ -34,4 +34,5 @@ def test_the_promised_documents_exist():
         assert (REPO / name).is_file(), name
     assert not (REPO / "docs" / "TEAM.md").exists()
     readme = (REPO / "README.md").read_text()
-    assert "docs/architecture.md" in readme and "CONTRIBUTING.md" in readme
+    assert "docs/architecture.md" in readme
+    assert "CONTRIBUTING.md" in readme

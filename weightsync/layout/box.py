@@ -80,7 +80,8 @@ class Piece:
                     ok = False
                     break
         if not ok:
-            raise ValueError(f"piece of {self.global_name}: local box {self.local_box} does not match {self.global_box}")
+            raise ValueError(
+                f"piece of {self.global_name}: local box {self.local_box} does not match {self.global_box}")
 
     def local_of(self, gbox: Box) -> Box:
         """The local box that holds ``gbox`` (which must lie inside ``global_box``)."""

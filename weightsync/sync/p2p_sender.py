@@ -294,7 +294,8 @@ class P2PSender:
             dp = dest.params.get(op.dst_param)
             if dp is None:
                 raise ValueError(f"rollout rank {op.dst_rank} has no parameter {op.dst_param!r}")
-            for box, shape, what in ((op.src_box, tuple(src.shape), op.src_param), (op.dst_box, dp.shape, op.dst_param)):
+            sides = ((op.src_box, tuple(src.shape), op.src_param), (op.dst_box, dp.shape, op.dst_param))
+            for box, shape, what in sides:
                 if len(box) != len(shape) or any(a < 0 or b > d for (a, b), d in zip(box, shape, strict=True)):
                     raise ValueError(f"plan box {box} does not fit {what!r} of shape {shape}")
 
@@ -316,7 +317,9 @@ class P2PSender:
             buckets.append(cur)
         return buckets
 
-    def _register_sources(self, direct: Sequence[CopyOp], source_regions: Sequence[tuple[str, torch.Tensor]] | None) -> None:
+    def _register_sources(
+        self, direct: Sequence[CopyOp], source_regions: Sequence[tuple[str, torch.Tensor]] | None
+    ) -> None:
         if source_regions is None:
             names = sorted({op.src_param for op in direct})
             source_regions = [(n, self.params[n]) for n in names]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from weightsync.cli import main  # noqa: E402 -- after the repo root is importable
+from weightsync.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
