@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from weightsync.launch.bench_data import GlobalData, compare, expected_store, fill_params
+from weightsync.launch.bench.data import GlobalData, compare, expected_store, fill_params
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
@@ -143,7 +143,7 @@ class Case:
         return s
 
     def poison(self) -> None:
-        from weightsync.launch.bench_data import poison
+        from weightsync.launch.bench.data import poison
 
         for _, t in self.engine.items():
             t.zero_()
@@ -256,7 +256,7 @@ def fp8_section(scale: str, repeats: int) -> dict[str, Any]:
 def mla_on_store(case: Case) -> dict[str, Any]:
     """Post-load on the updated engine (batched) against the reference on the expected store."""
     from weightsync.engine.loader import run_post_load
-    from weightsync.launch.bench_colocated import compare_derived, reference_derived
+    from weightsync.launch.bench.data import compare_derived, reference_derived
 
     reference_derived(case.expected, case.spec)
     first = run_post_load(case.engine, case.spec)

@@ -41,8 +41,9 @@ def _uses(path: Path) -> set[str]:
 
 
 def test_launch_builds_every_update_from_the_facade():
-    found = {p.name: _uses(p) for p in sorted(LAUNCH.glob("*.py"))}
+    found = {str(p.relative_to(LAUNCH)): _uses(p) for p in sorted(LAUNCH.rglob("*.py"))}
+    assert "bench/worker.py" in found
     assert {k: v for k, v in found.items() if v} == {}
-    for module in ("session.py", "trainer_worker.py", "bench_worker.py"):
+    for module in ("session.py", "trainer_worker.py", "bench/worker.py"):
         text = (LAUNCH / module).read_text()
         assert "WeightUpdater" in text or "UpdaterConfig" in text, module

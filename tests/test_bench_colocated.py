@@ -3,7 +3,7 @@
 Contract: the trainer's whole-tensor conversion of its shards into flat buckets (fp8 weights
 quantized with their scales, tensors assembled from several pieces) followed by the engine's
 loading rule on each bucket gives every engine parameter exactly the bytes of
-:func:`~weightsync.launch.bench_data.expected_store`; every wire tensor fits its bucket; the
+:func:`~weightsync.launch.bench.data.expected_store`; every wire tensor fits its bucket; the
 post-load derivation equals the per-layer reference. The CUDA IPC hand-over itself is exercised
 by the GPU benchmark (``scripts/bench_gpu.py``).
 """
@@ -14,15 +14,16 @@ import pytest
 import torch
 
 from weightsync.engine.loader import run_post_load
-from weightsync.launch.bench_colocated import (
-    TensorBuckets,
-    TrainerBuckets,
+from weightsync.launch.bench.colocated import TensorBuckets, TrainerBuckets, load_bucket
+from weightsync.launch.bench.config import tensor_skip_reason
+from weightsync.launch.bench.data import (
+    GlobalData,
+    compare,
     compare_derived,
-    load_bucket,
+    expected_store,
+    fill_params,
     reference_derived,
-    tensor_skip_reason,
 )
-from weightsync.launch.bench_data import GlobalData, compare, expected_store, fill_params
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from weightsync.cli import bench as bench_cli
-from weightsync.launch import bench
-from weightsync.launch.bench_data import GlobalData, compare, expected_store, fill_params, poison
+from weightsync.launch.bench import config as bench
+from weightsync.launch.bench.data import GlobalData, compare, expected_store, fill_params, poison
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
@@ -251,7 +251,7 @@ def test_cpu_run_tiny_both_modes(tmp_path):
     ids=["unset", "other-tunable-kept", "caller-choice-kept"],
 )
 def test_host_copy_env(env, expect):
-    from weightsync.launch.bench_worker import host_copy_env
+    from weightsync.launch.bench.launcher import host_copy_env
 
     assert host_copy_env(env) == expect
 

@@ -48,8 +48,8 @@ def _run(model: str, argv: list[str], env: dict[str, str], tmp_path: Path):
 
 
 def _bench(model: str, argv: list[str]):
-    """``bench``'s config (its own :func:`~weightsync.launch.bench.build_config`)."""
-    from weightsync.launch.bench import build_config
+    """``bench``'s config (its own :func:`~weightsync.launch.bench.config.build_config`)."""
+    from weightsync.launch.bench.config import build_config
 
     cfg, _ = build_config(_args("bench", model, *argv))
     return cfg
@@ -196,7 +196,7 @@ BUCKET_MODEL = "Qwen3-30B-A3B"
 
 
 def _broadcast_buckets(model: str, scale: str, train: TrainParallel, rollout: RolloutParallel, nbytes: int) -> int:
-    """Buckets of the broadcast plan the run and the bench build (``RunSession``, ``bench_worker``)."""
+    """Buckets of the broadcast plan the run and the bench build (``RunSession``, the bench's worker)."""
     from weightsync.layout.megatron import trainer_layout
     from weightsync.layout.sglang import engine_layout
     from weightsync.models import get_model

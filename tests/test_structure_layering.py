@@ -124,3 +124,15 @@ def test_ground_floor_knows_no_model(package):
     for path in (ROOT / package).rglob("*.py"):
         foreign = [t for _, t in _imports(path) if _package(t) != package]
         assert not foreign, f"{_module_name(path)} imports {foreign}"
+
+
+def test_the_benchmark_is_a_leaf_of_the_harness():
+    """``launch/bench/`` stands on the library and the run loop's records, never the other way: no
+    module outside it imports it but the ``bench`` command (the run loop does not depend on the
+    benchmark)."""
+    bench = "weightsync.launch.bench"
+    assert (ROOT / "launch" / "bench" / "__init__.py").is_file()
+    bad = [f"{mod}:{line} imports {target}" for mod, imports in _graph().items()
+           if not (mod == bench or mod.startswith(bench + ".") or mod == "weightsync.cli.bench")
+           for line, target in imports if target == bench or target.startswith(bench + ".")]
+    assert not bad, "imports of the benchmark from outside it:\n" + "\n".join(bad)

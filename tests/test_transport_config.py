@@ -20,7 +20,7 @@ import pytest
 
 from weightsync.cli import serve as serve_cli
 from weightsync.engine.bootstrap import transport_config
-from weightsync.launch.bench_worker import bench_placement
+from weightsync.launch.bench.config import bench_placement
 from weightsync.launch.procs import serve_argv, transport_argv
 from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
 from weightsync.transport import HOST, TransportConfig, TransportKind, resolve_kind

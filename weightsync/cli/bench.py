@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from weightsync.launch.bench import build_config, format_table, run_processes, summarize
+from weightsync.launch.bench.config import build_config
+from weightsync.launch.bench.summary import format_table, summarize
 from weightsync.launch.config import RunMode
 from weightsync.plan.broadcast import DEFAULT_BUCKET_GB
 
@@ -70,6 +71,9 @@ def main(args: argparse.Namespace) -> int:
     )
     for n in notes:
         print(f"note: {n}", flush=True)
+    # spawns the ranks; imports torch, which the parser of every command must not
+    from weightsync.launch.bench.launcher import run_processes
+
     t0 = time.perf_counter()
     results = run_processes(cfg)
     summary = summarize(cfg, results, notes)

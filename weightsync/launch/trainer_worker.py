@@ -30,7 +30,6 @@ Protocol (launcher -> every rank, in this order)::
 from __future__ import annotations
 
 import datetime
-import enum
 import importlib
 import logging
 import os
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightsync.launch.messages import Cmd
 from weightsync.models import get_model
 from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.models.spec import ModelSpec
@@ -54,15 +54,6 @@ log = logging.getLogger(__name__)
 TRAINERS = ("synthetic", "megatron")
 SYNTHETIC_LABEL = "synthetic (no learning: a deterministic Adam-like update of every weight)"
 """How runs name the synthetic trainer in their output and ``results.json``."""
-
-
-class Cmd(enum.StrEnum):
-    SETUP_UPDATER = "setup_updater"
-    TRAIN_STEP = "train_step"
-    UPDATE = "update"
-    EXPORT = "export"
-    MEMORY = "memory"
-    STOP = "stop"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

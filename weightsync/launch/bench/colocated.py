@@ -1,40 +1,51 @@
-"""The colocated baseline of the benchmark, and its post-load phase.
+"""The benchmark's colocated baseline: the reference system's path, re-implemented on purpose.
 
-**Baseline** (``tensor`` mode): the reference's colocated update (sglang's
-``update_weights_from_tensor``, as the RL frameworks call it when trainer and engine share the
-GPUs): the trainer converts its shards to whole HF-named tensors in the engine's wire format
-(fp8 weights block-quantized with their ``weight_scale_inv``), packs them bucket by bucket
-(``BUCKET_SIZE_GB``) into one flat buffer, and hands the engine a CUDA IPC handle of the buffer
-with each tensor's name, dtype, shape and offset (torch's ``reduce_tensor``, what sglang's
-serializer sends); the engine opens it and loads every tensor through its own loading rule
-(:func:`~weightsync.sync.params.write_global`: slice each piece it holds, copy), then
-acknowledges, and the trainer fills the next bucket. To keep the comparison about the transfer
-design, the trainer converts with the same fused fp8 kernel p2p packs with
-(:class:`~weightsync.quant.fp8_fused.FusedQuant`) and reuses two flat buffers across steps.
+Where one GPU holds a trainer rank and an engine rank, broadcast cannot run (NCCL refuses two
+ranks of a group on one GPU), and p2p is measured against the path the reference RL framework
+takes there instead (miles ``update_weight_from_tensor.py``, ``_send_to_colocated_engine``): the
+trainer converts its shards into whole HF tensors in the engine's wire format, packs a bucket of
+them into ONE flat buffer with each tensor's name, dtype, shape and offset (sglang's
+``FlattenedTensorBucket``), and hands the engine a CUDA IPC handle of that buffer
+(``update_weights_from_tensor`` with ``load_format="flattened_bucket"``); the engine opens it,
+loads every tensor through its own loading rule
+(:func:`~weightsync.sync.params.write_global`: slice each piece it holds, copy) and
+acknowledges, and the trainer fills the next bucket.
+
+This module re-implements that path as the benchmark's baseline; it is not the library's
+colocated broadcast (:mod:`weightsync.sync.tensor_sender`, what ``run --placement colocated``
+uses: named views pickled per tensor through the engine's HTTP endpoint), and it does not build
+on the library's senders: the benchmark's engine ranks are processes of the benchmark, not HTTP
+servers, and what is measured is the reference's design. To keep the comparison about that
+design and not about a slow conversion, the trainer assembles tensors straight into the flat
+buffer, quantizes fp8 weights with the same fused kernel p2p packs with
+(:class:`~weightsync.quant.fp8_fused.FusedQuant`, which writes a weight and its
+``weight_scale_inv`` together, so the two always share a bucket) and reuses two flat buffers
+across steps.
 
 Needs one trainer rank holding every tensor whole and one engine rank (the one-GPU colocated
-case); :func:`tensor_skip_reason` says why not otherwise.
+case); :func:`~weightsync.launch.bench.config.tensor_skip_reason` says why not otherwise. The
+hand-over is timed on the GPU only (``weightsync bench --placement colocated``, BENCHMARKS.md);
+the conversion and loading are tested on CPU (``tests/test_bench_colocated.py``).
 
-**Post-load**: the engine's derivations after an update (MLA ``w_kc``/``w_vc``,
-:func:`weightsync.engine.loader.run_post_load`), timed as its own phase after every update, and
-checked against the per-layer reference.
-
-Typical usage (inside :mod:`weightsync.launch.bench_worker`)::
+Typical usage (inside :mod:`weightsync.launch.bench.worker`)::
 
     plan = TensorBuckets.build(inputs, bucket_bytes)          # every process, same result
     src = TrainerBuckets(plan, inputs, params, device)        # trainer
-    src.send(group_send)                                      # every step
-    load_buckets(store, spec, plan, receive, ack)             # engine, every step
+    run_update(is_trainer=..., trainer=src, plan=plan, store=store, spec=spec,
+               exchange=exchange, engine_rank=1)              # both sides, every step
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from weightsync.layout.box import box_slices, full_box
 from weightsync.models.spec import ModelSpec
@@ -46,8 +57,7 @@ log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 ALIGN = 256
-TENSOR_MODE = "tensor"
-"""The benchmark's name of this mode (beside ``p2p`` and ``broadcast``)."""
+"""Byte alignment of every tensor in a flat buffer."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,10 +74,7 @@ class WireTensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return _bytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,24 +133,11 @@ class TensorBuckets:
 
 
 def _bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
+    return dtype.itemsize * math.prod(shape)
 
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def tensor_skip_reason(device: str, train_world: int, rollout_world: int) -> str | None:
-    """Why the colocated baseline cannot run with these sizes (None when it can)."""
-    if device != "cuda":
-        return "the colocated baseline hands CUDA IPC handles: it needs --device cuda"
-    if train_world != 1 or rollout_world != 1:
-        return (f"the colocated baseline is measured with one trainer rank holding whole tensors and one engine "
-                f"rank (got {train_world} trainer and {rollout_world} rollout ranks: use --train tp=1 --rollout tp=1)")
-    return None
 
 
 class TrainerBuckets:
@@ -205,8 +199,6 @@ class TrainerBuckets:
 
 def share(flat: torch.Tensor) -> tuple[Any, ...]:
     """The picklable CUDA IPC description of ``flat`` (torch's ``reduce_tensor``)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     return reduce_tensor(flat)
 
 
@@ -242,8 +234,6 @@ def run_update(*, is_trainer: bool, trainer: TrainerBuckets | None, plan: Tensor
     Returns:
         The side's own seconds: trainer ``fill_s``; engine ``load_s``; both ``bytes``.
     """
-    import time
-
     fill_s = load_s = 0.0
     nbytes = 0
     for i, bucket in enumerate(plan.buckets):
@@ -267,30 +257,3 @@ def run_update(*, is_trainer: bool, trainer: TrainerBuckets | None, plan: Tensor
             load_s += time.perf_counter() - t0
             exchange(True, engine_rank)
     return {"fill_s": fill_s, "load_s": load_s, "bytes": float(nbytes)}
-
-
-# -- post-load -------------------------------------------------------------------------------
-
-
-def reference_derived(expected: ParamStore, spec: ModelSpec) -> None:
-    """Derive ``expected``'s derived tensors with the per-layer reference (the check's truth)."""
-    from weightsync.quant.mla import derive_all
-
-    derive_all(mla_layers(expected), qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim,
-               block=spec.fp8_block, use_kernel=False)
-
-
-def mla_layers(store: ParamStore) -> list[Any]:
-    """The store's MLA layers (``kv_b_proj`` and its derived ``w_kc``/``w_vc``)."""
-    from weightsync.quant.mla import mla_layers as layers_of
-
-    return layers_of(store.derived_names(), store.get)
-
-
-def compare_derived(store: ParamStore, expected: ParamStore) -> list[str]:
-    """Names of the derived tensors whose bytes differ from ``expected``."""
-    bad = []
-    for name in store.derived_names():
-        if not torch.equal(store[name].view(torch.uint8), expected[name].view(torch.uint8)):
-            bad.append(name)
-    return bad

@@ -18,11 +18,13 @@ rank numbers, which the broadcast sender's gather relies on) and go through the 
     broadcast    warm-up + ``repeats`` runs (WeightUpdater.write("broadcast"), bucket by bucket:
                  stage sources gather and broadcast, engine ranks keep their pieces); the
                  bit-exact check
+    tensor       the colocated baseline (:mod:`~weightsync.launch.bench.colocated`): warm-up +
+                 ``repeats`` runs, each followed by the post-load phase; the bit-exact check
 
 Before every run the engines zero their parameters and poison every byte a run must write.
 Each timed window runs from a barrier of every process to the next one (GPU work synchronized
-before it). The result goes back to the launcher through a queue as ``(rank, "ok", dict)`` or
-``(rank, "error", traceback)``.
+before it). The result (:data:`RankResult`) goes back to the launcher through a queue, as one
+:class:`~weightsync.launch.messages.Reply` (or the traceback that stopped the process).
 
 Nothing here imports megatron, mooncake, fastapi, pydantic, httpx or xxhash (the GPU machines
 lack some of them).
@@ -37,119 +39,47 @@ import os
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from weightsync.launch.bench_data import GlobalData, compare, expected_store, fill_params, poison
+from weightsync.engine.loader import run_post_load
+from weightsync.launch.bench.colocated import TensorBuckets, TrainerBuckets, run_update
+from weightsync.launch.bench.config import GPU_ENV, BenchConfig
+from weightsync.launch.bench.data import (
+    GlobalData,
+    compare,
+    compare_derived,
+    expected_store,
+    fill_params,
+    poison,
+    reference_derived,
+)
+from weightsync.launch.messages import Reply
 from weightsync.layout.box import box_volume
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model
 from weightsync.models.hf import DTYPE_BYTES
-from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
+from weightsync.plan.broadcast import plan_broadcast
 from weightsync.plan.inputs import PlanInputs, build_inputs
+from weightsync.plan.p2p import plan_p2p_for_rank
 from weightsync.proc import die_with_parent
+from weightsync.sync.broadcast_receiver import BroadcastReceiver
+from weightsync.sync.broadcast_sender import announcement
+from weightsync.sync.p2p_receiver import PARAMS_REGION, Receiver
 from weightsync.sync.params import ParamStore
-from weightsync.transport import PeerDescriptor, TransportConfig, TransportKind, deadline_after
+from weightsync.sync.updater import UpdaterConfig, WeightUpdater
+from weightsync.transport import PeerDescriptor, deadline_after
 
 log = logging.getLogger(__name__)
 
-NT_THRESHOLD_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
-NT_THRESHOLD_BYTES = 4 << 20
-"""glibc switches memcpy to non-temporal (streaming) stores above this size. Its default is 3/4 of
-the shared cache it detects, which a VM can report far too large: the 2-core CPU machines report a
-256 MiB L3 (the EPYC has 32 MiB), so every copy below 192 MiB used cached stores, and a 64 MiB copy
-ran at 3.4 GB/s against 6.1 GB/s with streaming stores (same machine, alternating runs). The
-parameter runs of a p2p update are 1-100 MiB each, while one large reference copy is not: without
-this, the benchmark would compare the two under different copy loops."""
-
-
-def host_copy_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The ``GLIBC_TUNABLES`` value that sets :data:`NT_THRESHOLD_BYTES` for processes started with
-    ``environ`` (kept as is when the caller already set that tunable). Read at process start only."""
-    current = environ.get("GLIBC_TUNABLES", "")
-    if NT_THRESHOLD_TUNABLE in current:
-        return {}
-    entry = f"{NT_THRESHOLD_TUNABLE}={NT_THRESHOLD_BYTES:#x}"
-    return {"GLIBC_TUNABLES": f"{current}:{entry}" if current else entry}
-
-
-MODES = ("p2p", "broadcast", "tensor")
-"""``tensor``: the colocated baseline (:mod:`weightsync.launch.bench_colocated`; not a plan mode)."""
-
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-"""Set in every process the benchmark spawns: NVLink multicast stays off on shared GPU hosts."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BenchConfig:
-    """Everything a benchmark process needs (picklable)."""
-
-    model: str
-    scale: str
-    train: TrainParallel
-    rollout: RolloutParallel
-    device: str
-    """``cpu`` or ``cuda``."""
-    modes: tuple[str, ...]
-    """``p2p`` and/or ``broadcast``."""
-    repeats: int
-    """Timed runs per mode, after one warm-up run."""
-    bucket_bytes: int
-    seed: int
-    master_port: int
-    group_ports: dict[int, int] = field(default_factory=dict)
-    """Broadcast: stage source trainer rank -> port of its weight-update group's store."""
-    train_gpus: tuple[int, ...] = ()
-    """CUDA: GPU of each trainer rank."""
-    rollout_gpus: tuple[int, ...] = ()
-    """CUDA: GPU of each rollout rank."""
-    transport: TransportConfig = field(default_factory=lambda: TransportConfig(kind=TransportKind.SHM))
-    """The p2p transport (resolved; each rank binds its own GPU)."""
-    threads: int = 1
-    """torch CPU threads per process."""
-    local_copy_bytes: int = 4 << 30
-    """Cap of the in-process copy reference."""
-    timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if not self.modes or any(m not in MODES for m in self.modes):
-            raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        if self.device == "cuda" and (
-            len(self.train_gpus) != self.train.world_size or len(self.rollout_gpus) != self.rollout.world_size
-        ):
-            raise ValueError("a CUDA benchmark needs a GPU for every trainer and rollout rank")
-
-    @property
-    def world_size(self) -> int:
-        return self.train.world_size + self.rollout.world_size
-
-    def placement(self) -> tuple[list[Device], list[Device]]:
-        """Devices for the planner: the GPUs on CUDA, distinct slots on CPU."""
-        return bench_placement(self.device, self.train, self.rollout, self.train_gpus, self.rollout_gpus)
-
-
-def bench_placement(
-    device: str,
-    train: TrainParallel,
-    rollout: RolloutParallel,
-    train_gpus: tuple[int, ...],
-    rollout_gpus: tuple[int, ...],
-) -> tuple[list[Device], list[Device]]:
-    """Where the benchmark's ranks run (all on this host, each its own process): the GPUs on
-    CUDA, distinct slots on CPU."""
-    if device == "cuda":
-        return [Device(0, g) for g in train_gpus], [Device(0, g) for g in rollout_gpus]
-    t = train.world_size
-    return [Device(0, i) for i in range(t)], [Device(0, t + i) for i in range(rollout.world_size)]
+RankResult = dict[str, Any]
+"""One process's result: ``rank``, ``role`` (``trainer`` / ``engine``), ``local_rank``, ``device``,
+``set_up_s``, and per mode measured its runs (``memcpy``, ``p2p``, ``broadcast``, ``tensor``: the
+timed windows, the bit-exact check), read by :mod:`~weightsync.launch.bench.summary`."""
 
 
 class _Block:
@@ -265,8 +195,6 @@ class BenchRank:
             self.store = ParamStore(layout, self.device, arena=_Block(self.source))
             self.out["param_bytes"] = fill_params(self.data, layout, self.params())
         else:
-            from weightsync.sync.p2p_receiver import Receiver
-
             layout = list(self.inputs.dest_layout(self.local))
             self.receiver, served = Receiver.open(
                 self.cfg.transport, layout, device=self.device, rank=self.local % self.cfg.rollout.tp
@@ -275,8 +203,6 @@ class BenchRank:
             self.store = self.receiver.write_target(served)
             self.expected = expected_store(self.data, self.store, self.spec)
             if self.store.derived_names():
-                from weightsync.launch.bench_colocated import reference_derived
-
                 reference_derived(self.expected, self.spec)
             self.out["shard_bytes"] = sum(
                 box_volume(p.local_box) * DTYPE_BYTES[t.dtype] for t in layout if not t.derived for p in t.pieces
@@ -292,8 +218,6 @@ class BenchRank:
             mine = {"descriptor": self.receiver.descriptor(), "weights": self.store.transfer_info()}
         infos = {r - self.cfg.train.world_size: g for r, g in enumerate(self.gather(mine)) if g is not None}
         if self.is_trainer and "p2p" in self.cfg.modes:
-            from weightsync.plan.p2p import plan_p2p_for_rank
-
             t0 = time.perf_counter()
             self.ops = list(plan_p2p_for_rank(self.inputs, src_rank=self.local).ops)
             self.out.update(
@@ -323,8 +247,6 @@ class BenchRank:
                  broadcast_group: dict[str, Any] | None = None) -> Any:
         """A trainer's updater for ``mode`` (collective over the trainer ranks); its set-up time
         goes into ``sender_s`` / ``broadcast_setup_s``."""
-        from weightsync.sync.updater import UpdaterConfig, WeightUpdater
-
         t0 = time.perf_counter()
         config = UpdaterConfig(mode=mode, bucket_bytes=self.cfg.bucket_bytes, transport=self.cfg.transport,
                                verify_every=0, deadline_s=self.cfg.timeout_s)
@@ -373,8 +295,6 @@ class BenchRank:
 
         Collective (every process calls it); engines get [].
         """
-        from weightsync.sync.p2p_receiver import PARAMS_REGION
-
         mine = self.bytes_by_dest() if self.is_trainer else {}
         everyone = self.gather(mine)
         if not self.is_trainer:
@@ -462,18 +382,14 @@ class BenchRank:
         """Engine: the post-load derivations (every engine process runs them on its parameters)."""
         if self.is_trainer:
             return {}
-        from weightsync.engine.loader import run_post_load
-
         assert self.store is not None
         return {"own_s": run_post_load(self.store, self.spec)}
 
     def tensor(self) -> dict[str, Any]:
-        """The colocated baseline (:mod:`weightsync.launch.bench_colocated`): warm-up +
+        """The colocated baseline (:mod:`weightsync.launch.bench.colocated`): warm-up +
         ``repeats`` updates, each followed by the post-load phase; then the bit-exact check."""
-        from weightsync.launch import bench_colocated as bc
-
-        plan = bc.TensorBuckets.build(self.inputs, self.cfg.bucket_bytes)
-        trainer = bc.TrainerBuckets(plan, self.inputs, self.params(), self.device) if self.is_trainer else None
+        plan = TensorBuckets.build(self.inputs, self.cfg.bucket_bytes)
+        trainer = TrainerBuckets(plan, self.inputs, self.params(), self.device) if self.is_trainer else None
         engine_rank = self.cfg.train.world_size
 
         def exchange(obj: Any, src: int) -> Any:
@@ -482,7 +398,7 @@ class BenchRank:
             return box[0]
 
         def body() -> dict[str, Any]:
-            return bc.run_update(is_trainer=self.is_trainer, trainer=trainer, plan=plan, store=self.store,
+            return run_update(is_trainer=self.is_trainer, trainer=trainer, plan=plan, store=self.store,
                                  spec=self.spec, exchange=exchange, engine_rank=engine_rank)
 
         runs, post = [], []
@@ -505,15 +421,10 @@ class BenchRank:
         assert self.expected is not None
         bad = compare(self.store, self.expected)
         if derived:
-            from weightsync.launch.bench_colocated import compare_derived
-
             bad += compare_derived(self.store, self.expected)
         return {"params": len(self.store.names()), "mismatched": len(bad), "names": bad[:10]}
 
     def broadcast(self) -> dict[str, Any]:
-        from weightsync.plan.broadcast import plan_broadcast
-        from weightsync.sync.broadcast_sender import announcement
-
         buckets = plan_broadcast(self.inputs, bucket_bytes=self.cfg.bucket_bytes, dst_rank=0).buckets
         names = {s: f"weightsync_bench_src{s}" for s in self.cfg.group_ports}
         endpoint = self._join_broadcast(names)
@@ -549,8 +460,6 @@ class BenchRank:
                 "group_names": {str(s): n for s, n in names.items()},
             }
             return self._updater("broadcast", broadcast_group=group)
-        from weightsync.sync.broadcast_receiver import BroadcastReceiver
-
         assert self.store is not None
         tp = self.cfg.rollout.tp
         receiver = BroadcastReceiver(self.store, self.spec, self.local % tp)
@@ -572,7 +481,7 @@ class BenchRank:
         self.updater = self.sender = self.receiver = None
 
 
-def run_rank(bench: BenchRank) -> dict[str, Any]:
+def run_rank(bench: BenchRank) -> RankResult:
     """The benchmark steps of one process (module docstring); collective over all processes."""
     cfg = bench.cfg
     bench.set_up()
@@ -607,9 +516,9 @@ def rank_main(rank: int, cfg: BenchConfig, results: Any) -> None:
             timeout=datetime.timedelta(seconds=cfg.timeout_s),
         )
         bench = BenchRank(cfg, rank)
-        results.put((rank, "ok", run_rank(bench)))
+        results.put(Reply.success(rank, run_rank(bench)))
     except Exception:  # shipped to the launcher with the traceback, which re-raises
-        results.put((rank, "error", traceback.format_exc()))
+        results.put(Reply.failure(rank, traceback.format_exc()))
     finally:
         if bench is not None:
             bench.close()

@@ -1,4 +1,5 @@
-"""Benchmark data: deterministic random global tensors, poisoning, and the bit-exact check.
+"""Benchmark data: deterministic random global tensors, poisoning, and the bit-exact check (with
+the post-load phase's derived tensors).
 
 The transfer benchmark fills every trainer rank's shards with values of the *global* tensors
 (so replicas agree and every layout slices the same model), and each engine rank checks that
@@ -25,11 +26,11 @@ import torch
 from weightsync.layout.box import Box, LocalTensor, box_shape, box_slices
 from weightsync.models.hf import GlobalTensor
 from weightsync.models.spec import ModelSpec
+from weightsync.quant.mla import derive_all, mla_layers
 from weightsync.sync.params import ParamStore, write_global
 
 POOL_SIZE = 1 << 22
 _M32 = 0xFFFFFFFF
-
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -136,4 +137,24 @@ def compare(store: ParamStore, expected: ParamStore) -> list[str]:
             a, b = a.reshape(1), b.reshape(1)
         if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
             bad.append(t.name)
+    return bad
+
+
+# -- post-load -------------------------------------------------------------------------------
+
+
+def reference_derived(expected: ParamStore, spec: ModelSpec) -> None:
+    """Derive ``expected``'s derived tensors (MLA ``w_kc`` / ``w_vc``) with the per-layer reference,
+    the truth the engine's post-load phase (:func:`weightsync.engine.loader.run_post_load`) is
+    checked against."""
+    derive_all(mla_layers(expected.derived_names(), expected.get), qk_nope_head_dim=spec.qk_nope_head_dim,
+               v_head_dim=spec.v_head_dim, block=spec.fp8_block, use_kernel=False)
+
+
+def compare_derived(store: ParamStore, expected: ParamStore) -> list[str]:
+    """Names of the derived tensors whose bytes differ from ``expected``."""
+    bad = []
+    for name in store.derived_names():
+        if not torch.equal(store[name].view(torch.uint8), expected[name].view(torch.uint8)):
+            bad.append(name)
     return bad

@@ -1,223 +1,30 @@
-"""``weightsync bench MODEL``: the transfer benchmark -- link rate, p2p update, broadcast update.
+"""The benchmark's record: every process's result summarized into one JSON object, and its table.
 
-In one run, on one machine, with the same model and the same processes:
-
-* **link**: a plain copy of the update's bytes -- inside one process (CPU ``memmove``; CUDA
-  GPU-to-GPU peer copy and same-GPU copy), and between the benchmark's own processes: each
-  trainer rank writes the bytes it sends in p2p as one run per destination, through the same
-  transport into the same engine arenas (the figure p2p's wire rate is compared with);
-* **p2p**: trainer ranks holding Megatron-layout shards of random global tensors write with
-  :class:`~weightsync.sync.p2p_sender.P2PSender` into engine ranks holding sglang-layout
-  parameters in one registered arena (``shm`` on CPU, ``cuda_ipc`` on GPU);
-* **broadcast**: the same model through the baseline path (stage sources gather and broadcast
-  bucket by bucket; engine ranks keep their pieces).
-
-Every update is timed between barriers of all processes, after one warm-up run, ``--repeats``
-times; afterwards every engine rank compares its parameters bit for bit with the expected
-slicing of the global tensors. Prints a table and one ``BENCH_JSON {...}`` line; ``--out``
-writes the JSON to a file.
-
-Typical usage::
-
-    weightsync bench Qwen3-4B --scale layers=2 --train tp=2 --rollout tp=2 --device cpu
-    weightsync bench Qwen3-30B-A3B --scale layers=16 --train tp=1 --rollout tp=1 --device cuda \\
-        --out $OUT/bench.json
+:func:`summarize` reads the processes' results (:data:`~weightsync.launch.bench.worker.RankResult`):
+per mode the best, mean and first timed window (the slowest process's), the wire and pack times
+of the slowest trainer rank, bytes per receiver, rates (GB = 1e9 bytes), the ratios p2p is
+judged by, and the bit-exact checks; with the date, host, load and commit. :func:`format_table`
+prints it.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import logging
 import os
 import platform
-import queue
-import signal
 import statistics
 import subprocess
-import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from weightsync.launch.config import RunMode
-from weightsync.models.fit import profile_sizes
-from weightsync.plan.records import Mode
-from weightsync.proc import free_port
+from weightsync.launch.bench.config import BenchConfig
+
+if TYPE_CHECKING:  # the worker imports torch; this module does not (the CLI imports it)
+    from weightsync.launch.bench.worker import RankResult
 
 log = logging.getLogger(__name__)
-
-
-def gpu_placement(
-    num_train: int, num_rollout: int, placement: str, num_gpus: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """GPU of each trainer and rollout rank.
-
-    Raises:
-        ValueError: the machine has too few GPUs for the placement.
-    """
-    if placement == "split":
-        need = num_train + num_rollout
-        if need > num_gpus:
-            raise ValueError(
-                f"split placement needs {need} GPUs ({num_train} trainer + {num_rollout} rollout "
-                f"ranks), this machine has {num_gpus}: lower tp or use --placement colocated"
-            )
-        return tuple(range(num_train)), tuple(range(num_train, need))
-    need = max(num_train, num_rollout)
-    if need > num_gpus:
-        raise ValueError(f"colocated placement needs {need} GPUs, this machine has {num_gpus}")
-    return tuple(range(num_train)), tuple(range(num_rollout))
-
-
-def broadcast_skip_reason(
-    device: str, train_gpus: tuple[int, ...], rollout_gpus: tuple[int, ...], sources: list[int]
-) -> str | None:
-    """Why broadcast cannot run with this placement (NCCL refuses two ranks of a group on one GPU)."""
-    if device != "cuda":
-        return None
-    for s in sources:
-        members = [train_gpus[s], *rollout_gpus]
-        if len(set(members)) != len(members):
-            return (
-                f"NCCL needs every rank of a weight-update group on its own GPU; source rank {s} and the "
-                f"rollout ranks use GPUs {members} (use --placement split)"
-            )
-    return None
-
-
-def build_config(args: argparse.Namespace) -> tuple[Any, list[str]]:
-    """The :class:`BenchConfig` of the command line, and notes about what was changed or skipped."""
-    from weightsync.launch.bench_worker import BenchConfig, bench_placement
-    from weightsync.layout.megatron import trainer_layout
-    from weightsync.layout.sglang import engine_layout
-    from weightsync.models import get_model
-    from weightsync.plan.broadcast import bucket_bytes_from_gb, plan_broadcast
-    from weightsync.plan.inputs import build_inputs
-    from weightsync.transport import TransportConfig
-
-    train, rollout = profile_sizes(args.model, args.train, args.rollout)
-    spec = get_model(args.model, args.scale)
-    modes = RunMode.parse(args.mode).modes
-    notes: list[str] = []
-    train_gpus: tuple[int, ...] = ()
-    rollout_gpus: tuple[int, ...] = ()
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is visible")
-        train_gpus, rollout_gpus = gpu_placement(
-            train.world_size, rollout.world_size, args.placement, torch.cuda.device_count()
-        )
-    bucket_bytes = bucket_bytes_from_gb(args.bucket_gb, what="--bucket-gb")
-    inputs = build_inputs(spec, train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout)
-    sources = sorted({b.src_rank for b in plan_broadcast(inputs, bucket_bytes=bucket_bytes, dst_rank=0).buckets})
-    if Mode.BROADCAST in modes:
-        why = broadcast_skip_reason(args.device, train_gpus, rollout_gpus, sources)
-        if why is not None:
-            notes.append("broadcast skipped: " + why)
-            modes = tuple(m for m in modes if m is not Mode.BROADCAST)
-            from weightsync.launch.bench_colocated import TENSOR_MODE, tensor_skip_reason
-
-            why_not = tensor_skip_reason(args.device, train.world_size, rollout.world_size)
-            if why_not is None:
-                notes.append("the colocated baseline (update_weights_from_tensor over CUDA IPC) runs instead")
-                modes = (*modes, TENSOR_MODE)
-            else:
-                notes.append("colocated baseline skipped: " + why_not)
-    trainers, engines = bench_placement(args.device, train, rollout, train_gpus, rollout_gpus)
-    transport = TransportConfig.resolve(
-        args.transport, [(a, b) for a in trainers for b in engines], on_gpu=args.device == "cuda"
-    )
-    cfg = BenchConfig(
-        model=args.model,
-        scale=args.scale,
-        train=train,
-        rollout=rollout,
-        device=args.device,
-        modes=modes,
-        repeats=args.repeats,
-        bucket_bytes=bucket_bytes,
-        seed=args.seed,
-        master_port=free_port(),
-        group_ports={s: free_port() for s in sources},
-        train_gpus=train_gpus,
-        rollout_gpus=rollout_gpus,
-        transport=transport,
-        threads=args.threads,
-        timeout_s=args.timeout,
-    )
-    return cfg, notes
-
-
-def run_processes(cfg: Any) -> list[dict[str, Any]]:
-    """Spawn one process per trainer and rollout rank, collect their results (rank order).
-
-    SIGTERM (e.g. from ``timeout``) stops the children too; they also die with this process.
-
-    Raises:
-        RuntimeError: a process failed (its traceback is in the message) or the benchmark ran past
-            its timeout; every process is stopped first.
-    """
-    import torch.multiprocessing as mp
-
-    from weightsync.launch.bench_worker import GPU_ENV, host_copy_env, rank_main
-
-    os.environ.update({**GPU_ENV, **host_copy_env(os.environ)})  # spawned children inherit it
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, cfg, results), daemon=True) for r in range(cfg.world_size)]
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        for p in procs:
-            p.start()
-        got, errors = _collect(procs, results, cfg.timeout_s + 30)
-        if errors:
-            text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-            raise RuntimeError(f"benchmark ranks {sorted(errors)} failed:\n{text}")
-        if len(got) < len(procs):
-            raise RuntimeError(f"benchmark did not finish in {cfg.timeout_s + 30:.0f} s")
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            if p.pid is not None:
-                p.join(timeout=10)
-    return [got[r] for r in range(len(procs))]
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _collect(procs: list[Any], results: Any, timeout_s: float) -> tuple[dict[int, Any], dict[int, str]]:
-    """Results and errors by rank, until every process answered, one died, or ``timeout_s``.
-
-    After the first error the others get 5 s to report theirs (they usually fail in turn, a peer
-    having closed its connections), so that the first cause is in the message.
-    """
-    got: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(got) + len(errors) < len(procs) and time.monotonic() < deadline:
-        try:
-            rank, status, payload = results.get(timeout=1.0)
-        except queue.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got and i not in errors]
-            if dead:
-                errors[dead[0]] = f"exited with code {procs[dead[0]].exitcode} without a result"
-                deadline = min(deadline, time.monotonic() + 5.0)
-            continue
-        if status == "ok":
-            got[rank] = payload
-        else:
-            errors[rank] = payload
-            deadline = min(deadline, time.monotonic() + 5.0)
-    return got, errors
 
 
 def _gbps(nbytes: float, seconds: float) -> float | None:
@@ -271,7 +78,7 @@ def _git(root: Path, *args: str) -> str:
 
 def git_commit() -> str | None:
     """The checkout's commit (with ``+dirty`` when tracked files changed), or None outside git."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     try:
         head = _git(root, "rev-parse", "--short", "HEAD")
         dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
@@ -381,10 +188,8 @@ def _tensor_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def summarize(cfg: Any, results: list[dict[str, Any]], notes: list[str]) -> dict[str, Any]:
+def summarize(cfg: BenchConfig, results: list[RankResult], notes: list[str]) -> dict[str, Any]:
     """The benchmark's JSON record from every process's result."""
-    from dataclasses import asdict
-
     out: dict[str, Any] = {
         "model": cfg.model,
         "scale": cfg.scale,
