@@ -1,19 +1,14 @@
 """``weightsync run MODEL``: train and update rollout engines every step (the reference system's ``run``).
 
-Resolves the run from the model's profile and the machine: where the machine has the GPUs the
-profile needs, the profile runs as is; otherwise ``run`` says so in one line and runs the
-*embedded default*: the same family at tiny scale on CPU, trainer TP 2 and engine TP 2 (EP 2
-for MoE families, DP-attention where the profile uses it). Any of ``--scale``, ``--train``,
-``--rollout``, ``--device`` given, the run is the profile's parallel sizes with ``--train`` /
-``--rollout`` replacing the keys they name (:func:`weightsync.models.fit.profile_sizes`, the same
-as in ``prepare``, ``plan`` and ``bench``), at ``--scale`` (default full on cuda, else tiny).
-
-Many nodes: with ``--head-ip`` (or a ``--node-rank`` above 0) a profile of several nodes runs on
-that many nodes through Ray (:mod:`weightsync.launch.cluster`). Node rank 0 starts the Ray head,
-waits for the other nodes, places the trainer ranks and engines on them by the profile
-(:func:`weightsync.models.fit.plan_nodes`; the embedded default: trainer on node 0, one engine on
-each other node) and runs the job; every other node joins, hosts what is placed on it and leaves
-when the job ends. Without ``--head-ip`` on node rank 0 everything runs on this machine, as before.
+The command line maps onto a :class:`~weightsync.launch.resolve.RunRequest`;
+:func:`~weightsync.launch.resolve.resolve_run` makes it this machine's run (the profile as is
+where the GPUs fit it, else the embedded default: the same family at tiny scale on CPU; the
+placement; the nodes of a multi-node run), and the run loop runs it
+(:class:`~weightsync.launch.session.RunSession`, or on several nodes through Ray:
+:mod:`~weightsync.launch.multinode`). With ``--head-ip`` (or a ``--node-rank`` above 0) a
+profile of several nodes runs on that many nodes: node rank 0 runs the job, every other node
+joins, hosts what is placed on it and leaves when the job ends. Without ``--head-ip`` on node
+rank 0 everything runs on this machine.
 """
 
 from __future__ import annotations
@@ -21,25 +16,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
-from weightsync.launch.config import (
-    ClusterSpec,
-    Deadlines,
-    EnvSettings,
-    RunConfig,
-    RunMode,
-    env_settings,
-    writable_dir,
-)
-from weightsync.models import list_models
-from weightsync.models.fit import cuda_device_count, fit_profile, plan_nodes, profile_sizes
-from weightsync.models.profiles import get_profile
-
-log = logging.getLogger(__name__)
+from weightsync.launch.cluster import ClusterError
+from weightsync.launch.config import Deadlines, EnvSettings, RunConfig, RunMode, env_settings
+from weightsync.launch.resolve import RunRequest, resolve_run
+from weightsync.proc import stop_on_signals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,102 +76,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         + ", ".join(f"{f.name.removesuffix('_s')} ({f.default:g})" for f in fields(Deadlines)))
 
 
+def request_of(args: argparse.Namespace) -> RunRequest:
+    """The command line as a :class:`~weightsync.launch.resolve.RunRequest`.
+
+    Raises:
+        ValueError: an unknown mode, a bad ``--deadlines`` (the message says which).
+    """
+    return RunRequest(model=args.model, mode=RunMode.parse(args.mode), node_rank=args.node_rank, head_ip=args.head_ip,
+                      num_steps=args.num_rollout, device=args.device, scale=args.scale, train=args.train,
+                      rollout=args.rollout, placement=args.placement,
+                      engine_urls=tuple(u.strip().rstrip("/") for u in args.engine_urls.split(",") if u.strip()),
+                      trainer=args.trainer, transport=args.transport, prompts_per_step=args.prompts_per_step,
+                      max_new_tokens=args.max_new_tokens, hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic,
+                      dtype=args.dtype, group_size=args.group_size, lr=args.lr, update_retries=args.update_retries,
+                      deadlines=Deadlines.parse(args.deadlines))
+
+
 def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
-    """The run this invocation stands for; on a worker node of a multi-node run, the head's run
-    (whose ``cluster`` says this node's part).
+    """The run this invocation stands for (:func:`~weightsync.launch.resolve.resolve_run`).
 
     Raises:
-        ValueError: unknown model or mode, or a bad parallel layout (the message says which).
+        ValueError: as :func:`request_of` and :func:`~weightsync.launch.resolve.resolve_run`.
     """
-    if args.model not in list_models():
-        raise ValueError(f"unknown model {args.model!r}; known: {', '.join(list_models())}")
-    mode = RunMode.parse(args.mode)
-    deadlines = Deadlines.parse(args.deadlines)
-    if args.node_rank < 0:
-        raise ValueError(f"--node-rank must be >= 0, got {args.node_rank}")
-    profile = get_profile(args.model)
-    multi_node = profile.num_nodes > 1 and (bool(args.head_ip) or args.node_rank > 0)
-    if args.node_rank > 0 and not multi_node:
-        raise ValueError(f"--node-rank {args.node_rank}: {args.model}'s profile runs on one node; run it there "
-                         "without --node-rank")
-    num_nodes = profile.num_nodes if multi_node else 1
-    explicit = any(x is not None for x in (args.scale, args.train, args.rollout, args.device))
-    have = cuda_device_count()
-    embedded = False
-    if explicit:
-        device = args.device or ("cuda" if have else "cpu")
-        scale = args.scale or ("full" if device == "cuda" else "tiny")
-        train, rollout = profile_sizes(args.model, args.train, args.rollout)
-    else:
-        fit = fit_profile(args.model, have, multi_node=multi_node)
-        if fit.note and args.node_rank == 0:
-            print(fit.note)
-        device, scale, train, rollout, embedded = fit.device, fit.scale, fit.train, fit.rollout, fit.embedded
-    urls = tuple(u.strip().rstrip("/") for u in args.engine_urls.split(",") if u.strip())
-    if urls:
-        rollout = replace(rollout, num_engines=len(urls))
-    nodes = None
-    if multi_node:
-        # on CPU the trainer keeps node 0 and the engines take the others (the cross-host path); on
-        # GPUs the profile's placement fills the nodes in order
-        nodes = plan_nodes(train, rollout, num_nodes=num_nodes, by_role=device == "cpu",
-                           gpus_per_node=profile.gpus_per_node)
-    placement = args.placement or ("colocated" if device == "cuda" and not multi_node
-                                   and have < train.world_size + rollout.world_size else "split")
-    if placement == "colocated" and multi_node:
-        raise ValueError("--placement colocated runs on one node; a multi-node run places its ranks by the profile")
-    if placement == "colocated" and device == "cuda" and have < max(train.world_size, rollout.world_size):
-        raise ValueError(f"colocated, this run needs {max(train.world_size, rollout.world_size)} GPUs "
-                         f"(trainer rank i and engine rank i share GPU i); this machine has {have}")
-    if placement == "colocated" and device == "cpu":
-        print("placement colocated on CPU: trainer and engine ranks share this host's memory; p2p writes through shm "
-              "(as split does: a CPU has no device to share), broadcast hands full tensors over in shared memory "
-              "through /update_weights_from_tensor (the colocated path GPUs take)")
-    if not multi_node and placement == "split" and device == "cuda" and have < train.world_size + rollout.world_size:
-        raise ValueError(f"this run needs {train.world_size + rollout.world_size} GPUs on one node "
-                         f"({train.world_size} train + {rollout.world_size} rollout); this machine has {have}"
-                         + (f"; {args.model}'s profile spans {profile.num_nodes} nodes: give --head-ip (and "
-                            "--node-rank on each node) to run it on them" if profile.num_nodes > 1 else "")
-                         + "; --placement colocated shares the GPUs")
-    cluster = (ClusterSpec(num_nodes=num_nodes, node_rank=args.node_rank, head_ip=args.head_ip, port=env.ray_port,
-                           timeout_s=env.node_timeout_s, gpus=device == "cuda") if multi_node else None)
-    if args.hf_checkpoint is None:  # a given checkpoint's own shapes are checked once it is read
-        _check_layouts(args.model, scale, train, rollout)
-    log_dir = env.log_dir or Path("logs") / f"{args.model}_{mode}_{time.strftime('%Y%m%d-%H%M%S')}"
-    writable_dir(log_dir, "MILES_LOG_DIR" if env.log_dir else "the log directory")
-    if env.ckpt_dir.exists() and not env.ckpt_dir.is_dir():
-        raise ValueError(f"CKPT_SAVE_DIR {env.ckpt_dir} is a file, not a directory: point it at a directory")
-    return RunConfig(model=args.model, scale=scale, mode=mode, device=device, train=train, rollout=rollout,
-                     num_steps=args.num_rollout, env=env,
-                     # every node writes its processes' logs under the head's directory, by absolute path
-                     log_dir=Path(log_dir).absolute() if multi_node else Path(log_dir), transport=args.transport,
-                     prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
-                     embedded_default=embedded, engine_urls=urls, dtype=args.dtype,
-                     hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic, nodes=nodes, cluster=cluster,
-                     placement=placement, trainer=args.trainer or ("megatron" if device == "cuda" else "synthetic"),
-                     group_size=args.group_size, lr=args.lr, update_retries=args.update_retries,
-                     deadlines=deadlines)
-
-
-def _check_layouts(model: str, scale: str, train: Any, rollout: Any) -> None:
-    """Refuse parallel sizes the model cannot be split by (the registry's shapes at ``scale``).
-
-    Raises:
-        ValueError: naming ``--train`` or ``--rollout`` and what does not divide.
-    """
-    from weightsync.layout.megatron import check_trainer_config
-    from weightsync.layout.sglang import check_engine_parallel
-    from weightsync.models import get_model
-
-    spec = get_model(model, scale)
-    for flag, check, sizes in (("--train", check_trainer_config, train), ("--rollout", check_engine_parallel, rollout)):
-        try:
-            check(spec, sizes)
-        except ValueError as exc:
-            raise ValueError(f"{flag}: {exc}") from None
+    return resolve_run(request_of(args), env)
 
 
 def main(args: argparse.Namespace) -> int:
+    # the run loop imports torch (and the cluster Ray): imported here, as every command builds its
+    # parser from this module
     from weightsync.launch.procs import TrainerError
     from weightsync.launch.session import RunError, RunSession
     from weightsync.launch.trainer_worker import SYNTHETIC_LABEL
@@ -203,7 +118,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"weightsync run: {exc}", file=sys.stderr)
         return 2
     if cfg.cluster is not None and cfg.cluster.node_rank > 0:
-        return _worker(cfg)
+        from weightsync.launch.multinode import run_node
+
+        try:
+            return run_node(cfg)
+        except ClusterError as exc:
+            print(f"weightsync run: {exc}", file=sys.stderr)
+            return 1
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     try:
         hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train,
@@ -234,69 +155,15 @@ def main(args: argparse.Namespace) -> int:
         if session is not None:
             summary = session.run()
         else:
-            summary = _head(cfg, hf_dir.absolute(), torch_dist_dir.absolute())
-    except (RunError, EngineError, TrainerError) as exc:
-        # The message says what failed (a trainer rank's traceback is in its log); the launcher's
-        # own stack adds nothing.
+            from weightsync.launch.multinode import run_head
+
+            summary = run_head(cfg, hf_dir=hf_dir.absolute(), torch_dist_dir=torch_dist_dir.absolute())
+    except (RunError, EngineError, TrainerError, ClusterError) as exc:
+        # The message says what failed (a trainer rank's traceback is in its log, the cluster's
+        # errors say what to check); the launcher's own stack adds nothing.
         print(f"weightsync run: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM: everything this run started was stopped on the way out
         print("weightsync run: interrupted; every process this run started is stopped", file=sys.stderr)
         return 130
-    except RuntimeError as exc:  # the cluster's errors say what to check
-        from weightsync.launch.cluster import ClusterError
-
-        if not isinstance(exc, ClusterError):
-            raise
-        print(f"weightsync run: {exc}", file=sys.stderr)
-        return 1
     return 0 if summary["validation_passed"] else 1
-
-
-def stop_on_signals() -> None:
-    """SIGTERM (and SIGHUP) end the run as Ctrl-C does: a KeyboardInterrupt in the main thread, so
-    that the session's teardown stops every trainer rank and engine it started. (A SIGKILL cannot
-    be caught: the children's parent-death signal ends them then.)"""
-    import signal
-
-    def interrupt(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupt)
-
-
-def _head(cfg: RunConfig, hf_dir: Path, torch_dist_dir: Path) -> dict:
-    """Node rank 0 of a multi-node run: the cluster, the placement on it, the run."""
-    from weightsync.launch.cluster import HeadCluster
-    from weightsync.launch.placement_ray import RayPlacement
-    from weightsync.launch.session import RunSession
-
-    assert cfg.cluster is not None
-    assert cfg.nodes is not None
-    plan = cfg.nodes.nodes_of()
-    print("placement: " + "; ".join(f"node {n}: {', '.join(what) or 'nothing'}" for n, what in plan.items()),
-          flush=True)
-    with HeadCluster(cfg.cluster, log_dir=cfg.log_dir, run=_job(cfg)) as cluster, cluster.guard():
-        placement = RayPlacement(cluster, cfg.nodes, cfg.log_dir, gpus=cfg.device == "cuda")
-        return RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir, placement=placement).run()
-
-
-def _job(cfg: RunConfig) -> dict[str, str]:
-    """What every node of a multi-node run must agree on."""
-    return {"model": cfg.model, "scale": cfg.scale, "device": cfg.device}
-
-
-def _worker(cfg: RunConfig) -> int:
-    """Node rank >= 1 of a multi-node run: join the head, host what it places here, leave at the end."""
-    from weightsync.launch.cluster import ClusterError, run_worker
-
-    assert cfg.cluster is not None
-    assert cfg.nodes is not None
-    here = cfg.nodes.nodes_of()[cfg.cluster.node_rank]
-    try:
-        return run_worker(cfg.cluster, run=_job(cfg),
-                          runs_here=", ".join(here) or "nothing (the profile places no rank here)")
-    except ClusterError as exc:
-        print(f"weightsync run: {exc}", file=sys.stderr)
-        return 1

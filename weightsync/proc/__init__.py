@@ -62,3 +62,15 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     parent = multiprocessing.parent_process()
     if os.getppid() == 1 or (parent is not None and os.getppid() != parent.pid):
         os._exit(1)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM (and SIGHUP) end this process as Ctrl-C does: a KeyboardInterrupt in the main thread,
+    so that a launcher's teardown stops every process it started. (A SIGKILL cannot be caught: the
+    children's parent-death signal ends them then, :func:`die_with_parent`.)"""
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
