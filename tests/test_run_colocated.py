@@ -48,8 +48,9 @@ def test_colocated_megatron_training_on_cpu(tmp_path: Path, e2e_ckpt: Path):
 
 def _resolve(argv: list[str], gpus: int, monkeypatch: pytest.MonkeyPatch):
     from weightsync.cli import run as run_cli
+    from weightsync.launch import resolve
 
-    monkeypatch.setattr(run_cli, "cuda_device_count", lambda: gpus)
+    monkeypatch.setattr(resolve, "cuda_device_count", lambda: gpus)  # the machine the run is resolved on
     return run_cli.resolve(build_parser().parse_args(["run", *argv]), env_settings({}))
 
 

@@ -20,16 +20,19 @@ stops the run everywhere with its cause. The benchmark's ranks (:mod:`~weightsyn
 take no command: each sends one reply, its result.
 
 Every message is a frozen record and picklable (pipes, Ray and multiprocessing queues carry them).
+The module imports no torch.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from weightsync.plan.records import Mode
-from weightsync.sync.updater import UpdaterConfig, UpdateStats
+
+if TYPE_CHECKING:  # the updater imports torch; these records do not (a node's Ray agent imports them)
+    from weightsync.sync.updater import UpdaterConfig, UpdateStats  # noqa: F401 -- in Command["UpdateStats"] too
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -149,7 +152,7 @@ class TrainStep(Command[TrainStats]):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Update(Command[UpdateStats]):
+class Update(Command["UpdateStats"]):
     cmd: ClassVar[Cmd] = Cmd.UPDATE
     version: int
     mode: Mode

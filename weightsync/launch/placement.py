@@ -1,7 +1,8 @@
 """Where the processes of a run start, how they find each other, and how they are stopped.
 
 A :class:`Placement` starts the run's rollout engines (``weightsync serve`` processes, reached over
-HTTP) and trainer ranks (driven with :mod:`~weightsync.launch.trainer_worker`'s commands), tells
+HTTP) and trainer ranks (:mod:`~weightsync.launch.trainer_worker`, driven with the typed commands
+of :mod:`~weightsync.launch.messages`, each rank bound to its own node's address), tells
 the run loop the addresses peers reach them at, and stops everything it started. The run loop
 (:class:`~weightsync.launch.session.RunSession`) talks to it alone and does not know which one it
 got:
@@ -33,20 +34,23 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from weightsync.launch.config import TOKEN_ENV, Deadlines, env_token
+from weightsync.launch.messages import Command, Reply, Started, Stop
 from weightsync.launch.procs import AttachedEngine, EngineProc, TrainerError
-from weightsync.launch.trainer_worker import Cmd, WorkerConfig, worker_main
+from weightsync.launch.trainer_worker import WorkerConfig, worker_main
 from weightsync.models.fit import NodePlan
 from weightsync.proc import free_port
-from weightsync.sync.engine_client import configure_token
+from weightsync.sync.engine_client import EngineClient, EngineError, configure_token
 from weightsync.transport.net import is_loopback
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 LOOPBACK = "127.0.0.1"
 DIE_WITH_PARENT = "--die-with-parent"
@@ -76,7 +80,7 @@ class EngineHandle(Protocol):
 
     index: int
     url: str
-    client: Any
+    client: EngineClient
 
     def alive(self) -> bool: ...
 
@@ -88,18 +92,19 @@ class EngineHandle(Protocol):
 
 
 class RankChannel(ABC):
-    """The command pipe of one trainer rank: one reply per message, the first one its start-up."""
+    """The command pipe of one trainer rank: one reply per command, the first one its start-up
+    (:mod:`~weightsync.launch.messages`)."""
 
     @abstractmethod
-    def send(self, msg: tuple[Any, Any]) -> None: ...
+    def send(self, msg: Command[Any]) -> None: ...
 
     @abstractmethod
     def poll(self, timeout_s: float) -> bool:
         """Whether the reply is there (waits up to ``timeout_s``)."""
 
     @abstractmethod
-    def recv(self) -> tuple[str, Any]:
-        """``("ok", payload)`` or ``("error", traceback text)``."""
+    def recv(self) -> Reply[Any]:
+        """The rank's reply: the command's value, or its error (with the rank's traceback)."""
 
     @abstractmethod
     def dead(self) -> str:
@@ -123,7 +128,7 @@ class Placement(ABC):
         """``needs_token``: engines will bind beyond loopback, so make a token when none is set."""
         self.log_dir = log_dir
         self.nodes = nodes
-        self.engines: list[Any] = []
+        self.engines: list[EngineHandle] = []
         self._ranks: list[RankChannel] = []
         self._pool = ThreadPoolExecutor(max_workers=16)
         self.deadlines = Deadlines()
@@ -156,8 +161,6 @@ class Placement(ABC):
         Raises:
             EngineError: an engine exited or did not become healthy; its log tail is in the message.
         """
-        from weightsync.sync.engine_client import EngineError
-
         for ep in self.engine_endpoints():
             if ep.remote:
                 log.info("engine %d serves on %s (reachable from other hosts: its control endpoints are open to the "
@@ -171,7 +174,7 @@ class Placement(ABC):
                                   ) from None
 
     @abstractmethod
-    def _start_engine(self, ep: EngineEndpoint, argv: list[str]) -> Any:
+    def _start_engine(self, ep: EngineEndpoint, argv: list[str]) -> EngineHandle:
         """Start one engine's process; its handle (an :class:`EngineHandle`)."""
 
     def engine_log(self, index: int) -> str:
@@ -183,29 +186,31 @@ class Placement(ABC):
         self.engines.extend(AttachedEngine(len(self.engines) + i, u, self.token, timeout_s=self.deadlines.engine_call_s)
                             for i, u in enumerate(urls))
 
-    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def submit(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> Future[R]:
         """Run ``fn`` in the launcher's thread pool (a future)."""
         return self._pool.submit(fn, *args, **kwargs)
 
-    def on_engines(self, fn: Any) -> list[Any]:
+    def on_engines(self, fn: Callable[[EngineClient], R]) -> list[R]:
         """Call ``fn(client)`` on every engine concurrently; results in engine order."""
         return list(self._pool.map(lambda e: fn(e.client), self.engines))
 
     # -- trainer ranks --------------------------------------------------------------------------
     def spawn_trainers(self, cfg: WorkerConfig) -> None:
-        """Start every trainer rank (they load their shards in the background)."""
-        self._ranks = [self._spawn_trainer(rank, cfg) for rank in range(cfg.train.world_size)]
+        """Start every trainer rank (they load their shards in the background), each bound to the
+        address of its own host (:attr:`WorkerConfig.host`)."""
+        self._ranks = [self._spawn_trainer(rank, replace(cfg, host=self.trainer_host(rank)))
+                       for rank in range(cfg.train.world_size)]
 
     @abstractmethod
     def _spawn_trainer(self, rank: int, cfg: WorkerConfig) -> RankChannel:
-        """Start trainer rank ``rank``; its channel."""
+        """Start trainer rank ``rank`` with ``cfg`` (its own); its channel."""
 
-    def wait_trainers(self, *, timeout_s: float) -> list[Any]:
+    def wait_trainers(self, *, timeout_s: float) -> list[Started]:
         """Wait until every trainer rank has loaded its shards."""
         return self._collect(timeout_s, "start-up")
 
-    def command(self, cmd: Cmd, arg: Any = None, *, timeout_s: float | None = None) -> list[Any]:
-        """Send ``cmd`` to every trainer rank; the answers in rank order.
+    def command(self, msg: Command[R], *, timeout_s: float | None = None) -> list[R]:
+        """Send ``msg`` to every trainer rank; their replies' values in rank order.
 
         Args:
             timeout_s: default the run's ``command`` deadline.
@@ -215,12 +220,12 @@ class Placement(ABC):
                 rank did not answer in time (named, with the deadline).
         """
         for ch in self._ranks:
-            ch.send((cmd, arg))
-        return self._collect(self.deadlines.command_s if timeout_s is None else timeout_s, str(cmd))
+            ch.send(msg)
+        return self._collect(self.deadlines.command_s if timeout_s is None else timeout_s, str(msg.cmd))
 
-    def command_async(self, cmd: Cmd, arg: Any = None, *, timeout_s: float | None = None) -> Any:
+    def command_async(self, msg: Command[R], *, timeout_s: float | None = None) -> Future[list[R]]:
         """:meth:`command` in a background thread (a future), to overlap with engine calls."""
-        return self._pool.submit(self.command, cmd, arg, timeout_s=timeout_s)
+        return self._pool.submit(self.command, msg, timeout_s=timeout_s)
 
     def _collect(self, timeout_s: float, what: str) -> list[Any]:
         """Every rank's answer to ``what``, watching all ranks at once: the first rank that fails
@@ -240,16 +245,16 @@ class Placement(ABC):
                 ch = self._ranks[rank]
                 if ch.poll(0):
                     try:
-                        status, payload = ch.recv()
+                        reply = ch.recv()
                     except (EOFError, OSError):  # the rank's end of the pipe closed: it died
                         waiting.discard(rank)
                         failures.append((time.monotonic(), f"trainer rank {rank} died during {what} "
                                                            f"({_exit_of(ch)})"))
                         continue
                     waiting.discard(rank)
-                    if status == "error":
-                        failures.append((time.monotonic(), str(payload)))
-                    out[rank] = payload
+                    if not reply.ok:
+                        failures.append((time.monotonic(), reply.error))
+                    out[rank] = reply.value
                     continue
                 why = ch.dead()
                 if why and not ch.poll(0.05):  # its last answer may still be on the way
@@ -323,13 +328,13 @@ class _PipeChannel(RankChannel):
         self.proc.start()
         child.close()
 
-    def send(self, msg: tuple[Any, Any]) -> None:
+    def send(self, msg: Command[Any]) -> None:
         self._conn.send(msg)
 
     def poll(self, timeout_s: float) -> bool:
         return self._conn.poll(timeout_s)
 
-    def recv(self) -> tuple[str, Any]:
+    def recv(self) -> Reply[Any]:
         return self._conn.recv()
 
     def dead(self) -> str:
@@ -337,7 +342,7 @@ class _PipeChannel(RankChannel):
 
     def stop(self) -> None:
         with contextlib.suppress(OSError, ValueError):  # a rank that already exited
-            self._conn.send((Cmd.STOP, None))
+            self._conn.send(Stop())
 
     def join(self, timeout_s: float) -> None:
         self.proc.join(timeout=timeout_s)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.launch.cluster import ClusterError, HeadCluster, node_resource
+from weightsync.launch.messages import Command, Reply
 from weightsync.launch.placement import LOOPBACK, EngineEndpoint, Placement, RankChannel
 from weightsync.launch.trainer_worker import WorkerConfig
 from weightsync.models.fit import NodePlan
@@ -75,7 +76,7 @@ class _RayChannel(RankChannel):
         self._ref = agent.start_trainer.remote(rank, cfg, token)
         self._stop_ref: Any = None
 
-    def send(self, msg: tuple[Any, Any]) -> None:
+    def send(self, msg: Command[Any]) -> None:
         self._ref = self.agent.request.remote(msg)
 
     def poll(self, timeout_s: float) -> bool:
@@ -84,14 +85,14 @@ class _RayChannel(RankChannel):
         ready, _ = ray.wait([self._ref], timeout=timeout_s)
         return bool(ready)
 
-    def recv(self) -> tuple[str, Any]:
+    def recv(self) -> Reply[Any]:
         import ray
         from ray.exceptions import RayError
 
         try:
             return ray.get(self._ref)
         except RayError as exc:  # the agent or its node is gone
-            return "error", f"trainer rank {self.rank} on node {self.node}: its agent is gone: {exc}"
+            return Reply.failure(self.rank, f"trainer rank {self.rank} on node {self.node}: its agent is gone: {exc}")
 
     def dead(self) -> str:
         return ""  # a dead agent or rank answers its pending call with an error (recv)

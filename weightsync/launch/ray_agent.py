@@ -20,11 +20,14 @@ import logging
 import multiprocessing as mp
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from weightsync.launch.messages import Command, Reply, Started, Stop
 from weightsync.proc import die_with_parent, free_port
+
+if TYPE_CHECKING:
+    from weightsync.launch.trainer_worker import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ def _node_env(ip: str, token: str | None = None) -> dict[str, str]:
     return env
 
 
-def _trainer_main(rank: int, cfg: Any, conn: Any, log_path: str, env: dict[str, str]) -> None:
+def _trainer_main(rank: int, cfg: WorkerConfig, conn: Any, log_path: str, env: dict[str, str]) -> None:
     """Entry of a trainer rank spawned by an agent: its output to ``log_path``, then the rank."""
     die_with_parent()
     os.environ.update(env)
@@ -54,6 +57,7 @@ def _trainer_main(rank: int, cfg: Any, conn: Any, log_path: str, env: dict[str, 
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # torch and the trainer: imported in the rank's process only (an engine's agent never needs them)
     from weightsync.launch.trainer_worker import worker_main
 
     worker_main(rank, cfg, conn)
@@ -107,13 +111,12 @@ class NodeAgent:
             self._engine.stop()
 
     # -- a trainer rank -------------------------------------------------------------------------
-    def start_trainer(self, rank: int, cfg: Any, token: str | None = None) -> tuple[str, Any]:
-        """Spawn trainer rank ``rank`` (its Mooncake address this node's; the engines' ``token`` in
-        its environment) and wait for its start-up answer."""
+    def start_trainer(self, rank: int, cfg: WorkerConfig, token: str | None = None) -> Reply[Started]:
+        """Spawn trainer rank ``rank`` (``cfg`` its own: :attr:`WorkerConfig.host` is this node's
+        address; the engines' ``token`` in its environment) and wait for its start-up reply."""
         ctx = mp.get_context("spawn")
         self._rank = rank
         self._conn, child = ctx.Pipe()
-        cfg = replace(cfg, transport=replace(cfg.transport, mooncake_hostname=self.ip))
         path = str(self.log_dir / f"trainer{rank}.log")
         self._proc = ctx.Process(target=_trainer_main, args=(rank, cfg, child, path, _node_env(self.ip, token)),
                                  name=f"trainer-rank{rank}", daemon=True)
@@ -121,29 +124,28 @@ class NodeAgent:
         child.close()
         return self._reply("start-up")
 
-    def request(self, msg: tuple[Any, Any]) -> tuple[str, Any]:
-        """Relay one command to the rank; its answer."""
+    def request(self, msg: Command[Any]) -> Reply[Any]:
+        """Relay one command to the rank; its reply."""
         try:
             self._conn.send(msg)
         except (OSError, ValueError) as exc:
-            return "error", f"trainer rank {self._rank} on {self.ip}: cannot send {msg[0]}: {exc}"
-        return self._reply(str(msg[0]))
+            return Reply.failure(self._rank, f"trainer rank {self._rank} on {self.ip}: cannot send {msg.cmd}: {exc}")
+        return self._reply(str(msg.cmd))
 
-    def _reply(self, what: str) -> tuple[str, Any]:
+    def _reply(self, what: str) -> Reply[Any]:
         while not self._conn.poll(0.1):
             if not self._proc.is_alive():
-                return "error", (f"trainer rank {self._rank} on {self.ip} died during {what} (exit code "
-                                 f"{self._proc.exitcode}; its output: {self.log_dir}/trainer{self._rank}.log there)")
+                return Reply.failure(self._rank, f"trainer rank {self._rank} on {self.ip} died during {what} (exit "
+                                     f"code {self._proc.exitcode}; its output: {self.log_dir}/trainer{self._rank}.log "
+                                     "there)")
         return self._conn.recv()
 
     def stop_trainer(self, timeout_s: float) -> None:
         """STOP the rank and wait up to ``timeout_s`` for it to exit, then end it."""
-        from weightsync.launch.trainer_worker import Cmd
-
         if self._proc is None:
             return
         with contextlib.suppress(OSError, ValueError):
-            self._conn.send((Cmd.STOP, None))
+            self._conn.send(Stop())
         self._proc.join(timeout=timeout_s)
         if self._proc.is_alive():
             self._proc.terminate()

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.launch.config import RunConfig
+from weightsync.launch.messages import Export, Memory, SetupUpdater, TrainStep, Update
 from weightsync.launch.placement import EngineEndpoint, LocalPlacement, Placement
 from weightsync.launch.procs import serve_argv
 from weightsync.launch.report import plot_phases, step_table, summary, train_table, write_results
-from weightsync.launch.trainer_worker import SYNTHETIC_LABEL, Cmd, WorkerConfig
+from weightsync.launch.trainer_worker import SYNTHETIC_LABEL, WorkerConfig
 from weightsync.launch.validate import (
     PARITY_PROMPTS,
     as_engine_holds,
@@ -144,8 +145,8 @@ class RunSession:
                   "...", flush=True)
         wcfg = WorkerConfig(model=cfg.model, scale=cfg.scale, spec=self.spec, train=cfg.train, rollout=cfg.rollout,
                             ckpt_dir=str(self.torch_dist_dir), master_addr=self.procs.trainer_host(0),
-                            master_port=self.procs.trainer_port(0), device=cfg.device, bucket_bytes=cfg.bucket_bytes,
-                            transport=transport, seed=cfg.seed, trainer=cfg.trainer, gpus=self._trainer_gpus(),
+                            master_port=self.procs.trainer_port(0), device=cfg.device, seed=cfg.seed,
+                            trainer=cfg.trainer, gpus=self._trainer_gpus(),
                             lr=cfg.lr, group_size=cfg.group_size,
                             synthetic_weights=_is_synthetic(self.hf_dir),
                             collective_timeout_s=cfg.deadlines.collective_s, fault_hook=cfg.env.fault_hook)
@@ -258,14 +259,14 @@ class RunSession:
     def setup_updater(self) -> None:
         """Every trainer rank builds its :class:`~weightsync.sync.updater.WeightUpdater` (plan
         share, connections, registration, checks); then what each side holds is printed."""
-        arg = {"engine_urls": [e.url for e in self.procs.engines], "config": self._updater_config()}
-        res = self.procs.command(Cmd.SETUP_UPDATER, arg)
+        res = self.procs.command(SetupUpdater(engine_urls=tuple(e.url for e in self.procs.engines),
+                                              config=self._updater_config()))
         if Mode.P2P in self.cfg.modes:
-            print(f"p2p plan: {sum(x['ops'] for x in res)} ops over {len(res)} trainer ranks, "
-                  f"{sum(x['bytes'] for x in res) / 1e6:.1f} MB per update, planned in "
-                  f"{max(x['plan_s'] for x in res):.2f} s", flush=True)
+            print(f"p2p plan: {sum(x.ops for x in res)} ops over {len(res)} trainer ranks, "
+                  f"{sum(x.bytes for x in res) / 1e6:.1f} MB per update, planned in "
+                  f"{max(x.plan_s for x in res):.2f} s", flush=True)
         self._memory = {"engine_params_per_rank": self._engine_param_bytes(),
-                        "trainer_ranks": [x["memory"] for x in res]}
+                        "trainer_ranks": [x.memory for x in res]}
         print(_memory_line(self._memory, "at set-up"), flush=True)
 
     def _engine_param_bytes(self) -> list[int]:
@@ -310,25 +311,25 @@ class RunSession:
         """One step of every trainer rank; rank 0's stats (megatron: loss, reward, grad norm, the
         train/rollout logprob difference; synthetic: the step). With megatron the trainer's
         weights are then written out for the validation's reference."""
-        out = self.procs.command(Cmd.TRAIN_STEP, samples)[0]
+        out = self.procs.command(TrainStep(samples=tuple(samples)))[0]
         if self.cfg.trainer == "megatron":
-            self.procs.command(Cmd.EXPORT, str(self._exported))
-        return out
+            self.procs.command(Export(directory=str(self._exported)))
+        return out.to_json()
 
     def update(self, step: int) -> dict[str, Any]:
         """Move the weights into every engine (the trainer ranks' updaters); the timed section."""
         mode = self.cfg.modes[step % len(self.cfg.modes)]
-        stats = self.procs.command(Cmd.UPDATE, {"version": step, "mode": mode.value})[0]
+        stats = self.procs.command(Update(version=step, mode=mode))[0]
         self.version = step
-        self._verified = bool(stats["verified"])
-        phases = dict(stats["phases"])
+        self._verified = bool(stats.verified)
+        phases = dict(stats.phases)
         verify_s = phases.pop("verify")
         return {
-            "step": step, "mode": mode, "path": stats["path"], "update_s": stats["update_s"], "phases": phases,
-            "post_load_engine_s": stats["post_load_engine_s"], "bytes": stats["bytes"],
-            "bytes_per_receiver": stats["bytes_per_receiver"], "buckets": stats["buckets"],
-            "update_verified": stats["verified"], "verify_s": verify_s,
-            "attempts": stats.get("attempts", 1), "failed_attempts": stats.get("failed_attempts", []),
+            "step": step, "mode": mode, "path": stats.path, "update_s": stats.update_s, "phases": phases,
+            "post_load_engine_s": stats.post_load_engine_s, "bytes": stats.bytes,
+            "bytes_per_receiver": {str(k): v for k, v in sorted(stats.bytes_per_receiver.items())},
+            "buckets": stats.buckets, "update_verified": stats.verified, "verify_s": verify_s,
+            "attempts": stats.attempts, "failed_attempts": list(stats.failed_attempts),
         }
 
     def initial_update(self) -> dict[str, Any]:
@@ -425,7 +426,7 @@ class RunSession:
         from weightsync.sources.prepare import weights_label
 
         # the updaters' buffers that the first updates allocate (colocated broadcast, verification)
-        self._memory["trainer_ranks"] = self.procs.command(Cmd.MEMORY)
+        self._memory["trainer_ranks"] = self.procs.command(Memory())
         print(_memory_line(self._memory, "after the updates"), flush=True)
         meta = {"model": self.cfg.model, "scale": self.cfg.scale, "mode": self.cfg.mode, "device": self.cfg.device,
                 "trainer": SYNTHETIC_LABEL if self.cfg.trainer == "synthetic" else "megatron (megatron-core GRPO)",

@@ -1,9 +1,10 @@
 """One trainer rank as a process: holds its shards, trains, and updates the engines when told.
 
 The launcher starts ``world_size`` of these (spawned processes) and drives them over a pipe
-with :class:`Cmd` messages; every rank answers every command with ``("ok", payload)`` or
-``("error", formatted traceback)`` so that one rank's failure stops the run everywhere, with the
-cause. The update itself is the library's: each rank holds a
+with the commands of :mod:`~weightsync.launch.messages`; every rank answers every command with
+one :class:`~weightsync.launch.messages.Reply` -- the command's typed result, or the formatted
+traceback -- so that one rank's failure stops the run everywhere, with the cause. The update
+itself is the library's: each rank holds a
 :class:`~weightsync.sync.updater.WeightUpdater` over the process group of the trainer ranks
 (rank 0 drives the engines' control endpoints, every rank writes).
 
@@ -16,15 +17,9 @@ Trainer backends (:attr:`WorkerConfig.trainer`):
   ``GPTModel`` of the profile built from the torch_dist shards, one GRPO step per batch of
   rollouts (the CUDA default).
 
-Protocol (launcher -> every rank, in this order)::
-
-    SETUP_UPDATER(urls, config)  the rank's WeightUpdater: plan share, connections, registration
-    TRAIN_STEP(samples)          one step of the trainer backend (weights change in place)
-    UPDATE(version, mode)        one whole update of every engine (collective over the ranks)
-    EXPORT(directory)            megatron: the stage sources write the full tensors (the run's
-                                 reference copy of the trainer's weights)
-    MEMORY                       the bytes the rank holds (trainer state, updater buffers, GPU)
-    STOP                         release everything and exit
+The rank's transport publishes the address of its own node (:attr:`WorkerConfig.host`, which the
+placement sets per rank): the updater opens the run's transport configuration bound to it
+(:func:`updater_config`), as it binds its own GPU.
 """
 
 from __future__ import annotations
@@ -36,17 +31,32 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
-from weightsync.launch.messages import Cmd
+from weightsync.launch.messages import (
+    Command,
+    Export,
+    Exported,
+    Memory,
+    Reply,
+    SetupUpdater,
+    Started,
+    Stop,
+    TrainStats,
+    TrainStep,
+    Update,
+    UpdaterReady,
+)
 from weightsync.models import get_model
 from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.models.spec import ModelSpec
+from weightsync.sync.updater import UpdaterConfig, UpdateStats, WeightUpdater
 from weightsync.transport import TransportConfig
 
 log = logging.getLogger(__name__)
@@ -71,9 +81,9 @@ class WorkerConfig:
     master_addr: str
     master_port: int
     device: str
-    bucket_bytes: int
-    transport: TransportConfig
-    """The run's resolved p2p transport (each rank binds its own GPU)."""
+    host: str = "127.0.0.1"
+    """The address of this rank's node as peers reach it, set per rank by the placement: the
+    transport this rank opens publishes it (:func:`updater_config`)."""
     seed: int = 1234
     trainer: str = "synthetic"
     """``synthetic`` or ``megatron`` (module docstring)."""
@@ -118,8 +128,8 @@ class Worker:
                                 world_size=cfg.train.world_size, timeout=timeout)
         # The updater's group: control messages are host objects (gloo), whatever trains on NCCL.
         self.group = dist.new_group(backend="gloo", timeout=timeout)
-        self.updater: Any = None
-        if megatron:
+        self.updater: WeightUpdater | None = None
+        if megatron:  # megatron-core is heavy and needed by this backend only
             from weightsync.sources.megatron_model import init_parallel_state
             from weightsync.sources.train_step import MegatronTrainer
 
@@ -136,23 +146,21 @@ class Worker:
             self.params = self.trainer.params
             self.regions = self.trainer.regions()
 
-    def setup_updater(self, arg: dict[str, Any]) -> dict[str, Any]:
+    def setup_updater(self, msg: SetupUpdater) -> UpdaterReady:
         """Build this rank's :class:`WeightUpdater` (collective)."""
-        from weightsync.sync.updater import WeightUpdater
-
+        urls, config = list(msg.engine_urls), updater_config(msg.config, self.cfg.host)
         if isinstance(self.params, torch.nn.Module):  # sizes from megatron-core's parallel state
-            self.updater = WeightUpdater.from_megatron(self.params, spec=self.spec, engine_urls=arg["engine_urls"],
-                                                       group=self.group, config=arg["config"])
+            self.updater = WeightUpdater.from_megatron(self.params, spec=self.spec, engine_urls=urls,
+                                                       group=self.group, config=config)
         else:
-            self.updater = WeightUpdater(self.params, spec=self.spec, train=self.cfg.train,
-                                         engine_urls=arg["engine_urls"], group=self.group, config=arg["config"],
-                                         source_regions=self.regions)
+            self.updater = WeightUpdater(self.params, spec=self.spec, train=self.cfg.train, engine_urls=urls,
+                                         group=self.group, config=config, source_regions=self.regions)
         if self.cfg.fault_hook:
             fault_hook(self.cfg.fault_hook)(self)
         sender = self.updater.p2p_sender
-        return {"ops": self.updater.num_ops, "plan_s": self.updater.plan_s,
-                "bytes": 0 if sender is None else sender.bytes_direct + sender.bytes_staged,
-                "memory": self.memory()}
+        return UpdaterReady(ops=self.updater.num_ops, plan_s=self.updater.plan_s,
+                            bytes=0 if sender is None else sender.bytes_direct + sender.bytes_staged,
+                            memory=self.memory())
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds: the trainer's state and the updater's buffers (and, on CUDA, the
@@ -169,10 +177,10 @@ class Worker:
             out["gpu_allocated_this_rank"] = torch.cuda.memory_allocated(self.gpu)
         return out
 
-    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    def train_step(self, samples: tuple[dict[str, Any], ...]) -> TrainStats:
         if self.cfg.trainer != "megatron":
-            return {**self.trainer.step(), "trainer": "synthetic"}
-        from weightsync.sources.train_step import grpo_batch, math_or_token_reward
+            return TrainStats(trainer="synthetic", stats=self.trainer.step())
+        from weightsync.sources.train_step import grpo_batch, math_or_token_reward  # megatron only
 
         t0 = time.perf_counter()
         rewards = [math_or_token_reward(s, self.spec.vocab_size, synthetic=self.cfg.synthetic_weights)
@@ -183,24 +191,27 @@ class Worker:
         stats = self.trainer.grpo_step(batch, clip_eps=self.cfg.clip_eps)
         if self.gpu is not None:
             torch.cuda.synchronize(self.gpu)
-        return {**stats, "mean_reward": sum(rewards) / len(rewards), "trainer": "megatron",
-                "train_s": time.perf_counter() - t0}
+        return TrainStats(trainer="megatron", stats={**stats, "mean_reward": sum(rewards) / len(rewards),
+                                                     "train_s": time.perf_counter() - t0})
 
-    def update(self, arg: dict[str, Any]) -> dict[str, Any]:
-        return self.updater.update(arg["version"], mode=arg.get("mode")).to_json()
+    def update(self, msg: Update) -> UpdateStats:
+        return self._updater().update(msg.version, mode=msg.mode)
 
-    def export(self, directory: str) -> dict[str, Any]:
+    def _updater(self) -> WeightUpdater:
+        if self.updater is None:
+            raise RuntimeError("no updater yet: the launcher sends SetupUpdater first")
+        return self.updater
+
+    def export(self, directory: str) -> Exported:
         """Write the trainer's full tensors (stage sources, one file each; collective)."""
-        from safetensors.torch import save_file
-
         out: dict[str, torch.Tensor] = {}
-        for part in self.updater.full_tensors():
+        for part in self._updater().full_tensors():
             out.update({n: t.detach().cpu().contiguous() for n, t in part.items()})
         if out:
             Path(directory).mkdir(parents=True, exist_ok=True)
             save_file(out, str(Path(directory) / f"trainer-rank{self.rank}.safetensors"))
         dist.barrier(group=self.group)
-        return {"tensors": len(out)}
+        return Exported(tensors=len(out))
 
     def close(self) -> None:
         if self.updater is not None:
@@ -211,6 +222,14 @@ class Worker:
             destroy_parallel_state()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def updater_config(config: UpdaterConfig, host: str) -> UpdaterConfig:
+    """The run's updater configuration as the rank at ``host`` opens it: its transport publishes
+    ``host`` (a transport given by kind only is left to the updater, which discovers it)."""
+    if isinstance(config.transport, TransportConfig):
+        return replace(config, transport=config.transport.on_host(host))
+    return config
 
 
 def trainer_gpu(rank: int) -> int:
@@ -255,21 +274,21 @@ def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:
     worker: Worker | None = None
     try:
         worker = Worker(rank, cfg)
-        conn.send(("ok", {"rank": rank}))
+        conn.send(Reply.success(rank, Started(rank=rank)))
         while True:
             try:
-                cmd, arg = conn.recv()
+                msg: Command[Any] = conn.recv()
             except EOFError:
                 break
-            if cmd == Cmd.STOP:
-                conn.send(("ok", None))
+            if isinstance(msg, Stop):
+                conn.send(Reply.success(rank, None))
                 break
             try:
-                conn.send(("ok", _dispatch(worker, cmd, arg)))
+                conn.send(Reply.success(rank, _dispatch(worker, msg)))
             except Exception:  # shipped to the launcher with the traceback, which re-raises
-                conn.send(("error", f"trainer rank {rank}: {cmd}: " + traceback.format_exc()))
+                conn.send(Reply.failure(rank, f"trainer rank {rank}: {msg.cmd}: " + traceback.format_exc()))
     except Exception:  # start-up failure, reported the same way
-        conn.send(("error", f"trainer rank {rank}: start-up: " + traceback.format_exc()))
+        conn.send(Reply.failure(rank, f"trainer rank {rank}: start-up: " + traceback.format_exc()))
     finally:
         if worker is not None:
             worker.close()
@@ -282,15 +301,17 @@ def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:
     os._exit(0)
 
 
-def _dispatch(worker: Worker, cmd: str, arg: Any) -> Any:
-    if cmd == Cmd.SETUP_UPDATER:
-        return worker.setup_updater(arg)
-    if cmd == Cmd.TRAIN_STEP:
-        return worker.train_step(arg)
-    if cmd == Cmd.UPDATE:
-        return worker.update(arg)
-    if cmd == Cmd.EXPORT:
-        return worker.export(arg)
-    if cmd == Cmd.MEMORY:
-        return worker.memory()
-    raise ValueError(f"unknown trainer command {cmd!r}")
+def _dispatch(worker: Worker, msg: Command[Any]) -> Any:
+    """The value of the reply to ``msg`` (every command but :class:`Stop`)."""
+    match msg:
+        case SetupUpdater():
+            return worker.setup_updater(msg)
+        case TrainStep():
+            return worker.train_step(msg.samples)
+        case Update():
+            return worker.update(msg)
+        case Export():
+            return worker.export(msg.directory)
+        case Memory():
+            return worker.memory()
+    raise ValueError(f"unknown trainer command {msg!r}")

@@ -4,8 +4,9 @@ Built once per run, where the placement is known (:meth:`TransportConfig.resolve
 written policy of :mod:`~weightsync.transport.policy` to ``auto``), then handed to every process
 that opens a transport: trainer ranks and benchmark ranks get it pickled, engines get it on their
 command line (``--transport`` plus the ``--mooncake-*`` options) and rebuild it. Each process
-binds what only it knows (its CUDA device, :meth:`TransportConfig.on_device`) and opens the
-backend with :meth:`TransportConfig.make`; nothing else assembles backend options.
+binds what only it knows (its CUDA device, :meth:`TransportConfig.on_device`; its host's
+address, :meth:`TransportConfig.on_host`) and opens the backend with
+:meth:`TransportConfig.make`; nothing else assembles backend options.
 
 The record is frozen and JSON-safe (:meth:`TransportConfig.to_json` / ``from_json``); it reads no
 environment (the launcher's reader, ``weightsync.launch.config``, passes ``MOONCAKE_PROTOCOL`` and
@@ -93,6 +94,11 @@ class TransportConfig:
     def on_device(self, cuda_device: int | None) -> TransportConfig:
         """This configuration bound to the calling process's CUDA device (None: host memory)."""
         return replace(self, cuda_device=cuda_device)
+
+    def on_host(self, hostname: str) -> TransportConfig:
+        """This configuration bound to the calling process's host: the address peers reach it at,
+        which a backend that publishes one announces (a Mooncake session)."""
+        return replace(self, mooncake_hostname=hostname)
 
     def options(self) -> dict[str, Any]:
         """The backend's constructor arguments (what :func:`~weightsync.transport.make_transport` takes).
