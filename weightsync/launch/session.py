@@ -508,7 +508,7 @@ def _holds_fp8_weights(hf_dir: Path) -> bool:
         return any(ckpt.meta(n)[1] == "float8_e4m3fn" for n in ckpt.names())
 
 
-def _compare(client: Any, *, allow_quant_error: bool = False) -> Any:
+def _compare(client: EngineClient, *, allow_quant_error: bool = False) -> Any:
     """``/weights_checker compare``; a mismatch answers HTTP 400 with the report, kept as the result."""
     try:
         if allow_quant_error:

@@ -65,6 +65,7 @@ from weightsync.models import get_model
 from weightsync.models.hf import DTYPE_BYTES
 from weightsync.plan.broadcast import plan_broadcast
 from weightsync.plan.inputs import PlanInputs, build_inputs
+from weightsync.plan.ops import CopyOp
 from weightsync.plan.p2p import plan_p2p_for_rank
 from weightsync.proc import die_with_parent
 from weightsync.sync.broadcast_receiver import BroadcastReceiver
@@ -151,10 +152,11 @@ class BenchRank:
         self.source = torch.empty(0, dtype=torch.uint8)
         """Trainer: the one buffer every parameter is a view of (registered as the write source)."""
         self.expected: ParamStore | None = None
-        self.receiver: Any = None
+        self.receiver: Receiver | None = None
         self.sender: Any = None
-        self.updater: Any = None
-        self.ops: list[Any] = []
+        """Trainer: its updater's p2p sender (whose transport the memcpy reference writes with)."""
+        self.updater: WeightUpdater | None = None
+        self.ops: list[CopyOp] = []
         # the trainer ranks' process group of their updaters (created by every process)
         self.trainer_group = dist.new_group(ranks=list(range(cfg.train.world_size)), backend="gloo")
         self.out: dict[str, Any] = {
@@ -177,9 +179,6 @@ class BenchRank:
         out: list[Any] = [None] * self.cfg.world_size
         dist.all_gather_object(out, obj)
         return out
-
-    def new_transport(self) -> Any:
-        return self.cfg.transport.on_device(self.device.index).make()
 
     def params(self) -> dict[str, torch.Tensor]:
         assert self.store is not None
@@ -215,6 +214,7 @@ class BenchRank:
         mine = None
         if not self.is_trainer:
             assert self.store is not None
+            assert self.receiver is not None
             mine = {"descriptor": self.receiver.descriptor(), "weights": self.store.transfer_info()}
         infos = {r - self.cfg.train.world_size: g for r, g in enumerate(self.gather(mine)) if g is not None}
         if self.is_trainer and "p2p" in self.cfg.modes:
@@ -244,7 +244,7 @@ class BenchRank:
         self.sender = self.updater.p2p_sender
 
     def _updater(self, mode: str, *, published: dict[int, dict[str, Any]] | None = None,
-                 broadcast_group: dict[str, Any] | None = None) -> Any:
+                 broadcast_group: dict[str, Any] | None = None) -> WeightUpdater:
         """A trainer's updater for ``mode`` (collective over the trainer ranks); its set-up time
         goes into ``sender_s`` / ``broadcast_setup_s``."""
         t0 = time.perf_counter()
@@ -324,6 +324,7 @@ class BenchRank:
     def _p2p_body(self) -> dict[str, Any]:
         if not self.is_trainer:
             return {}
+        assert self.updater is not None
         s = self.updater.write("p2p")
         return {
             "send_s": s["total_s"],
@@ -431,7 +432,7 @@ class BenchRank:
         anns = [announcement(self.inputs, b.names) for b in buckets]
 
         def body() -> dict[str, Any]:
-            if self.is_trainer:  # every bucket, in the order the engine ranks receive them
+            if isinstance(endpoint, WeightUpdater):  # a trainer: every bucket, in the engines' order
                 r = endpoint.write("broadcast")
                 return {"pack_s": r["pack_s"], "wire_s": r["wire_s"], "bytes": r["bytes"]}
             acc: dict[str, Any] = defaultdict(float)
@@ -446,7 +447,7 @@ class BenchRank:
         finally:
             endpoint.close()  # a trainer's updater shuts its weight-update groups down (NCCL wants it)
 
-    def _join_broadcast(self, names: dict[int, str]) -> Any:
+    def _join_broadcast(self, names: dict[int, str]) -> WeightUpdater | BroadcastReceiver:
         """Trainer: its WeightUpdater for broadcast (sources host the groups). Engine: a
         BroadcastReceiver that joined every source's group."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
