@@ -12,8 +12,9 @@ Contracts:
 * Both modes across hosts (the same two hosts, one run after the other: a second run on the same
   nodes works): exit 0 on both nodes, every validation gate passes on every update, the trainer
   ranks are on the first host and the engine on the second (its HTTP URL and its Mooncake session
-  ids carry the second host's address), p2p goes over Mooncake; the worker says the job ended and
-  left, and nothing the run started is left running on either host.
+  ids carry the second host's address, the trainer ranks' Mooncake sessions the first host's), p2p
+  goes over Mooncake; the worker says the job ended and left, and nothing the run started is left
+  running on either host.
 * Only the head: the deadline error names how many nodes joined and the missing rank, nothing
   hangs, nothing is left running.
 * The head killed mid-job: the worker exits 1 naming the cause, and both hosts are empty.
@@ -198,6 +199,11 @@ def test_wrappers_on_two_hosts(mode: str, hosts: Hosts, prepared: Path, tmp_path
         assert meta["transport"] == "mooncake"  # every pair crosses hosts: tcp on CPU
         assert where["engine_sessions"]
         assert all(s.startswith(f"{WORKER_IP}:") for s in where["engine_sessions"])
+        # each trainer rank opened Mooncake on its own node's address, not loopback
+        for rank in range(2):
+            opened = [x for x in (log_dir / f"trainer{rank}.log").read_text().splitlines() if "Mooncake listeners" in x]
+            assert opened, f"trainer rank {rank} logged no Mooncake session"
+            assert all(x.endswith(f"({HEAD_IP})") for x in opened), opened
     # each node's processes logged under the run's directory on that node (one filesystem here)
     assert (log_dir / "engine0.log").stat().st_size > 0
     assert (log_dir / "trainer0.log").exists()
