@@ -19,10 +19,12 @@ REPLAYS = {"send_bucket", "wire_bucket"}
 
 
 def test_the_facade_is_exported():
-    from weightsync.sync import updater
+    from weightsync.sync import update_result, updater, updater_config
 
-    for name in ("WeightUpdater", "UpdaterConfig", "UpdateStats", "UpdateError"):
-        assert getattr(weightsync, name) is getattr(updater, name)
+    homes = {"WeightUpdater": updater, "UpdaterConfig": updater_config, "UpdateStats": update_result,
+             "UpdateError": update_result}
+    for name, module in homes.items():
+        assert getattr(weightsync, name) is getattr(module, name)
         assert name in weightsync.__all__
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-import weightsync.sync.updater as updater_module
+import weightsync.sync.broadcast_groups as groups_module
 from tests import test_sync_updater_engine as base
 from tests.e2e_helpers import serve_engine
 from tests.fault_hooks import INJECTED, dropping, failing, on_write, slowing
@@ -166,20 +166,20 @@ def test_refused_broadcast_ends_the_update_within_seconds(engine: str, group: ob
     params = te_named_params(13)
     with _updater(engine, params, group, mode="broadcast", group_timeout_s=120.0) as updater:
         assert updater.update(1).verified
-        real = updater_module.announcement
+        real = groups_module.announcement
 
         def wrong_dtype(inputs: Any, names: Any) -> Any:
             n, dtypes, shapes = real(inputs, names)
             return n, ["float32" if d != "float32" else "bfloat16" for d in dtypes], shapes
 
-        monkeypatch.setattr(updater_module, "announcement", wrong_dtype)
+        monkeypatch.setattr(groups_module, "announcement", wrong_dtype)
         _step(params, 2)
         t0 = time.monotonic()
         with pytest.raises(UpdateError, match=r"update_weights_from_distributed: engine 0 at .*HTTP 400"):
             updater.update(2)
         assert time.monotonic() - t0 < 15, "the source waited in the broadcast"
         _assert_held(engine, "1", dirty=False)  # the refused bucket wrote nothing
-        monkeypatch.setattr(updater_module, "announcement", real)
+        monkeypatch.setattr(groups_module, "announcement", real)
         assert updater.update(2).verified
         assert _state(engine)["weight_version"] == "2"
 

@@ -245,14 +245,15 @@ def test_bad_bucket_sizes_are_refused_naming_the_knob(value, tmp_path):
 
 
 def test_mode_strings_are_the_cli_strings():
-    from weightsync.launch.config import RunMode
+    """``--mode`` takes Mode's own strings in every command (``plan``: the transfer modes only)."""
     from weightsync.plan.records import Mode
 
-    assert [m.value for m in Mode] == ["p2p", "broadcast"]
-    assert [m.value for m in RunMode] == ["p2p", "broadcast", "both"]
-    assert RunMode.BOTH.modes == (Mode.P2P, Mode.BROADCAST)
-    assert RunMode.parse("broadcast").modes == (Mode.BROADCAST,)
-    with pytest.raises(ValueError, match="unknown mode 'p3p': use p2p or broadcast"):
-        RunMode.parse("p3p")
-    with pytest.raises(ValueError, match="unknown plan mode 'both'"):
-        Mode.parse("both")
+    def choices(command: str) -> list[str] | None:
+        sub = next(a for a in build_parser()._subparsers._group_actions if command in a.choices)
+        return next(a.choices for a in sub.choices[command]._actions if "--mode" in a.option_strings)
+
+    assert list(choices("bench")) == [m.value for m in Mode]
+    assert list(choices("plan")) == [m.value for m in Mode.BOTH.transfers]
+    assert Mode.parse(_args("run", "Qwen3-4B", "--mode", "both").mode) is Mode.BOTH
+    with pytest.raises(ValueError, match="unknown mode 'p3p': use p2p, broadcast, both"):
+        Mode.parse("p3p")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from weightsync.launch.bench.config import build_config
 from weightsync.launch.bench.summary import format_table, summarize
-from weightsync.launch.config import RunMode
 from weightsync.plan.broadcast import DEFAULT_BUCKET_GB
+from weightsync.plan.records import Mode
 
 DEFAULT_TRAIN = "tp=2,pp=1,cp=1,ep=1,etp=1,world=2"
 """Trainer TP 2 on 2 ranks, whatever the profile's sizes (``mla_rep`` stays the profile's)."""
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine sizes: tp=..,ep=..,dp=..,engines=.. replace the run profile's (\"\": the "
                         f"profile's) (default {DEFAULT_ROLLOUT})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--mode", choices=[m.value for m in RunMode], default=RunMode.BOTH.value)
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.BOTH.value)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, after one warm-up run")
     p.add_argument(
         "--placement",

@@ -29,7 +29,7 @@ from weightsync.plan.records import Mode
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="registry model name (see `weightsync list`)")
-    parser.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.P2P.value,
+    parser.add_argument("--mode", choices=[m.value for m in Mode.BOTH.transfers], default=Mode.P2P.value,
                         help="transfer mode (default p2p)")
     parser.add_argument("--scale", default="full", help="full | tiny | layers=N (default full)")
     parser.add_argument("--train", default="", metavar="K=V,...",
@@ -92,7 +92,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = get_model(args.model, args.scale)
     train, rollout = resolve_parallel(args)
-    mode = Mode.parse(args.mode)
+    mode = Mode.transfer(args.mode)
     bucket = bucket_bytes_from_gb(args.bucket_gb, what="--bucket-gb") if mode is Mode.BROADCAST else None
     t0 = time.perf_counter()
     inputs = build_inputs(spec, train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout)

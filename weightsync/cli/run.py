@@ -20,14 +20,15 @@ from dataclasses import fields
 from pathlib import Path
 
 from weightsync.launch.cluster import ClusterError
-from weightsync.launch.config import Deadlines, EnvSettings, RunConfig, RunMode, env_settings
+from weightsync.launch.config import Deadlines, EnvSettings, RunConfig, env_settings
 from weightsync.launch.resolve import RunRequest, resolve_run
+from weightsync.plan.records import Mode
 from weightsync.proc import stop_on_signals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registry model name (weightsync list)")
-    p.add_argument("--mode", default=RunMode.P2P.value, help="p2p (default), broadcast, or both (alternating, one run)")
+    p.add_argument("--mode", default=Mode.P2P.value, help="p2p (default), broadcast, or both (alternating, one run)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this node's rank in a multi-node run (0 = the head, which runs the job; 1.. join it)")
     p.add_argument("--head-ip", default="",
@@ -82,7 +83,7 @@ def request_of(args: argparse.Namespace) -> RunRequest:
     Raises:
         ValueError: an unknown mode, a bad ``--deadlines`` (the message says which).
     """
-    return RunRequest(model=args.model, mode=RunMode.parse(args.mode), node_rank=args.node_rank, head_ip=args.head_ip,
+    return RunRequest(model=args.model, mode=Mode.parse(args.mode), node_rank=args.node_rank, head_ip=args.head_ip,
                       num_steps=args.num_rollout, device=args.device, scale=args.scale, train=args.train,
                       rollout=args.rollout, placement=args.placement,
                       engine_urls=tuple(u.strip().rstrip("/") for u in args.engine_urls.split(",") if u.strip()),

@@ -18,7 +18,6 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from enum import StrEnum
 from pathlib import Path
 
 from weightsync.models.fit import NodePlan, plan_nodes
@@ -32,32 +31,6 @@ DEFAULT_NODE_TIMEOUT_S = 300.0
 """How long the head waits for every node of a multi-node run to join (and a worker for the head)."""
 DEFAULT_RAY_PORT = 6379
 """The port of the Ray head's GCS (Ray's own default)."""
-
-
-class RunMode(StrEnum):
-    """What a run (or a benchmark) updates with: one transfer :class:`~weightsync.plan.records.Mode`,
-    or ``both`` (updates alternate p2p, broadcast, ... on the same engines and trainer ranks)."""
-
-    P2P = "p2p"
-    BROADCAST = "broadcast"
-    BOTH = "both"
-
-    @classmethod
-    def parse(cls, value: str) -> RunMode:
-        """``value`` as a run mode.
-
-        Raises:
-            ValueError: not one (the message lists them).
-        """
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown mode {value!r}: use p2p or broadcast (or both)") from None
-
-    @property
-    def modes(self) -> tuple[Mode, ...]:
-        """The transfer modes, in the order updates use them."""
-        return tuple(Mode) if self is RunMode.BOTH else (Mode(self.value),)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,9 +233,9 @@ class RunConfig:
     model: str
     scale: str
     """``full``, ``layers=N`` or ``tiny`` (the embedded default runs ``tiny``)."""
-    mode: RunMode
+    mode: Mode
     """``p2p``, ``broadcast``, or ``both`` (updates alternate p2p, broadcast, ... on the same
-    engines and trainer ranks: both paths checked, and compared, in one run); a string is parsed."""
+    engines and trainer ranks: both paths checked, and compared, in one run); the CLI parses it."""
     device: str
     """``cpu`` or ``cuda``."""
     train: TrainParallel
@@ -310,7 +283,8 @@ class RunConfig:
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", RunMode.parse(self.mode))
+        if not isinstance(self.mode, Mode):
+            raise ValueError(f"mode must be a Mode (the CLI parses its string with Mode.parse), got {self.mode!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}: use cpu or cuda")
         if self.num_steps < 1:
@@ -348,7 +322,7 @@ class RunConfig:
     @property
     def modes(self) -> tuple[Mode, ...]:
         """The transfer modes this run sets up; update ``k`` uses ``modes[k % len(modes)]``."""
-        return self.mode.modes
+        return self.mode.transfers
 
     @property
     def bucket_bytes(self) -> int:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from weightsync.launch.config import ClusterSpec, Deadlines, EnvSettings, RunConfig, RunMode, writable_dir
+from weightsync.launch.config import ClusterSpec, Deadlines, EnvSettings, RunConfig, writable_dir
 from weightsync.layout.megatron import check_trainer_config
 from weightsync.layout.sglang import check_engine_parallel
 from weightsync.models import get_model, list_models
@@ -36,6 +36,7 @@ from weightsync.models.fit import NodePlan, cuda_device_count, fit_profile, plan
 from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.models.profiles import get_profile
 from weightsync.models.profiles_base import RunProfile
+from weightsync.plan.records import Mode
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,7 +46,7 @@ class RunRequest:
     :class:`~weightsync.launch.config.RunConfig`'s of the same name."""
 
     model: str
-    mode: RunMode = RunMode.P2P
+    mode: Mode = Mode.P2P
     node_rank: int = 0
     """This node's rank in a multi-node run (0: the head)."""
     head_ip: str = ""

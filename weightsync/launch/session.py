@@ -48,7 +48,7 @@ from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
 from weightsync.sync.engine_client import EngineClient, EngineError
 from weightsync.sync.engines import Engines
-from weightsync.sync.updater import UpdaterConfig
+from weightsync.sync.updater_config import UpdaterConfig
 from weightsync.transport import TransportConfig
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ class RunSession:
                                "share a node")
             host = hosts.pop()
         d = self.cfg.deadlines
-        return UpdaterConfig(mode=self.cfg.mode.value, bucket_bytes=self.cfg.bucket_bytes, transport=self._transport(),
+        return UpdaterConfig(mode=self.cfg.mode, bucket_bytes=self.cfg.bucket_bytes, transport=self._transport(),
                              colocated=self.cfg.placement == "colocated", verify_every=1, master_address=host,
                              deadline_s=d.write_s, http_timeout_s=d.engine_call_s, group_timeout_s=d.group_s,
                              update_retries=self.cfg.update_retries)

@@ -39,7 +39,7 @@ def build_plan(inputs: PlanInputs, mode: Mode | str = Mode.P2P, *, bucket_bytes:
     Raises:
         ValueError: unknown mode, or layouts that cannot be planned (message names the tensor).
     """
-    mode = Mode.parse(mode)
+    mode = Mode.transfer(mode)
     with paused_gc():
         if mode is Mode.P2P:
             return plan_p2p(inputs)
@@ -61,7 +61,7 @@ def plan_for_rank(inputs: PlanInputs, mode: Mode | str = Mode.P2P, *, src_rank: 
     Returns:
         A partial plan.
     """
-    mode = Mode.parse(mode)
+    mode = Mode.transfer(mode)
     if (src_rank is None) == (dst_rank is None):
         raise ValueError("give exactly one of src_rank and dst_rank")
     with paused_gc():

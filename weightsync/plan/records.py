@@ -21,16 +21,26 @@ from weightsync.plan.table import OpTable
 
 
 class Mode(StrEnum):
-    """A transfer mode: the plan's, and each update's (a run of both modes alternates them)."""
+    """The mode knob, one type from the command line down (``--mode``, ``RunConfig.mode``,
+    ``UpdaterConfig.mode``, the plan's and each update's mode; strings are parsed at the edges).
+
+    Two members are transfer modes (what a plan and one update are of); ``both`` is not a
+    transfer but the two of them set up side by side, which a run, a benchmark or an updater
+    alternates (:attr:`transfers`). It is a member here, not a type of its own above the plan,
+    because it is a value of the same knob wherever the knob is set; the plan takes transfer
+    modes only (:meth:`transfer`).
+    """
 
     P2P = "p2p"
     """Every trainer rank writes the bytes each rollout rank needs straight into its memory."""
     BROADCAST = "broadcast"
     """The baseline: stage sources gather full tensors and broadcast them bucket by bucket."""
+    BOTH = "both"
+    """Both transfer modes set up; updates alternate p2p, broadcast, p2p, ..."""
 
     @classmethod
     def parse(cls, value: str) -> Mode:
-        """``value`` as a mode.
+        """``value`` as a mode (``both`` included).
 
         Raises:
             ValueError: not a mode (the message lists them).
@@ -38,7 +48,28 @@ class Mode(StrEnum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"unknown plan mode {value!r}; choose one of {', '.join(cls)}") from None
+            raise ValueError(f"unknown mode {value!r}: use {', '.join(cls)}") from None
+
+    @classmethod
+    def transfer(cls, value: str) -> Mode:
+        """``value`` as one transfer mode (what a plan, or a single update, is of).
+
+        Raises:
+            ValueError: not a mode, or ``both`` (the message says why).
+        """
+        try:
+            mode = cls(value)
+        except ValueError:
+            mode = None
+        if mode is None or mode is cls.BOTH:
+            raise ValueError(f"unknown transfer mode {value!r}: a plan or one update is "
+                             f"{' or '.join(cls.BOTH.transfers)}") from None
+        return mode
+
+    @property
+    def transfers(self) -> tuple[Mode, ...]:
+        """The transfer modes this mode sets up, in the order updates alternate them."""
+        return (Mode.P2P, Mode.BROADCAST) if self is Mode.BOTH else (self,)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,7 +103,7 @@ class Plan:
     _ops: list[CopyOp] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", Mode.parse(self.mode))  # a record read back holds the string
+        object.__setattr__(self, "mode", Mode.transfer(self.mode))  # a record read back holds the string
 
     @property
     def ops(self) -> list[CopyOp]:

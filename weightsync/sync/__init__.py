@@ -5,6 +5,11 @@ built-in engine uses to receive:
 
 * ``updater``           :class:`WeightUpdater`: the facade, one per trainer rank; ``update(version)``
                         does one whole update (re-exported as ``from weightsync import WeightUpdater``)
+* ``updater_config``    :class:`UpdaterConfig`: how it updates (mode, buckets, transport, checks, token)
+* ``update_result``     :class:`UpdateStats` (what an update cost) and :class:`UpdateError`
+* ``rank_group``        one trainer rank decides, or every rank agrees, and every rank sees a failure
+* ``broadcast_groups``  the engines' weight-update groups, trainer side: create, announce, leave
+* ``from_megatron``     a live megatron-core job's parallel sizes (:meth:`WeightUpdater.from_megatron`)
 * ``engines``           the engines of an update found from their URLs (sizes, parameter tables)
 * ``names``             a rank's live parameters placed on its layout (both megatron-core specs)
 * ``verify``            the trainer-side checksums every engine parameter must match after an update

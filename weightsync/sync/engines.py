@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from weightsync.layout.box import LocalTensor
@@ -63,14 +63,17 @@ def rollout_from_server_info(info: dict[str, Any], num_engines: int) -> RolloutP
 class Engines:
     """HTTP clients of the engines of one update, in engine order (module docstring)."""
 
-    def __init__(self, urls: Sequence[str] | Sequence[EngineClient], *, timeout_s: float = 600.0) -> None:
+    def __init__(self, urls: Sequence[str] | Sequence[EngineClient], *, timeout_s: float = 600.0,
+                 token: str | None = None) -> None:
         """Args:
             urls: one base URL (or a ready client) per engine.
             timeout_s: per HTTP request.
+            token: the engines' access token (sent by the clients made here); None: none.
         """
         if not urls:
             raise ValueError("no engine URLs: give one URL per engine")
-        self.clients = [u if isinstance(u, EngineClient) else EngineClient(str(u), timeout_s=timeout_s) for u in urls]
+        self.clients = [u if isinstance(u, EngineClient) else EngineClient(str(u), timeout_s=timeout_s, token=token)
+                        for u in urls]
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)))
 
     @property
@@ -172,8 +175,43 @@ class Engines:
                     raise ValueError(f"{self.where(e)}, rank {r}: {exc}") from None
         return out
 
+    def begin_weight_update(self) -> list[Any]:
+        """``begin_weight_update`` on every engine (each answer in engine order); an engine whose
+        earlier session is still open (its holder gone: a killed run, an abort that did not
+        arrive) has that session aborted first -- this caller drives the engine now, and the new
+        session recovers it.
+
+        Raises:
+            EngineError: naming every engine that refused or could not be reached.
+        """
+        return self.each(_begin, what="begin_weight_update")
+
+    def abort_sessions(self, wait_s: float) -> None:
+        """``abort_weight_update`` on every engine, waiting at most ``wait_s`` (an engine that is
+        gone or refuses is logged: its session was not opened, or the next one replaces it)."""
+        futures = {self._pool.submit(c.abort_weight_update): i for i, c in enumerate(self.clients)}
+        done, late = wait(futures, timeout=wait_s)
+        for f in done:
+            if f.exception() is not None:
+                log.warning("%s: abort_weight_update: %s", self.where(futures[f]), f.exception())
+        for f in late:
+            log.warning("%s: abort_weight_update not answered within %.0f s", self.where(futures[f]), wait_s)
+
     def close(self) -> None:
         """Close the clients (the engines keep running)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients:
             c.close()
+
+
+def _begin(client: EngineClient) -> Any:
+    """``begin_weight_update``, aborting a stale session first (:meth:`Engines.begin_weight_update`)."""
+    try:
+        return client.begin_weight_update()
+    except EngineError as exc:
+        if exc.status != 409 or "in progress" not in str(exc):
+            raise
+    log.warning("%s: an earlier update's session is still open; aborting it to begin this one", client.base_url)
+    client.session_id = None  # whichever session is open
+    client.abort_weight_update()
+    return client.begin_weight_update()

@@ -9,7 +9,8 @@ A training loop that already exists (Megatron, miles, verl, NeMo-style) construc
   the names of both megatron-core layer specs are accepted (:mod:`weightsync.sync.names`);
 * the engine URLs (the engines' layouts, parameter tables and transport are discovered from what
   sglang publishes, :mod:`weightsync.sync.engines`);
-* an :class:`UpdaterConfig` (mode, bucket size, transport, verification, deadlines);
+* an :class:`~weightsync.sync.updater_config.UpdaterConfig` (mode, bucket size, transport,
+  verification, deadlines, the engines' access token);
 * an explicit process group of the trainer ranks (never the default group deep inside).
 
 Construction computes this rank's share of the static plan once, registers memory once and
@@ -29,14 +30,17 @@ One update (:meth:`WeightUpdater.update`, collective over the group)::
     update_weight_version -> continue_generation       (rank 0)
 
 The update is a transaction: the engines stay paused until the written weights verified, and
-only ``update_weight_version`` publishes them. On any failure rank 0 aborts every engine's session
+only ``update_weight_version`` publishes them (the engine's side of each call, its states and
+refusals: docs/engine.md, "States"). On any failure rank 0 aborts every engine's session
 (each stays paused at its old version, dirty where anything reached its served weights, so
 nothing of the attempt is served) and :class:`UpdateError` names the failing rank or engine; with
 ``UpdaterConfig.update_retries`` the attempt is first repeated from scratch (engines re-queried,
 senders rebuilt). The next update after a failure rebuilds the senders too, and recovers an
 engine left paused, dirty or with a dead holder's session open. :meth:`WeightUpdater.refresh`
 picks up engines added or restarted between updates; :meth:`WeightUpdater.close` releases
-everything.
+everything. Broadcast over a group has its groups made and left by
+:mod:`~weightsync.sync.broadcast_groups`; a megatron-core job's sizes come from
+:mod:`~weightsync.sync.from_megatron`.
 
 Typical usage (every trainer rank)::
 
@@ -52,9 +56,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,14 +67,18 @@ from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
 from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
 from weightsync.models.spec import ModelSpec
-from weightsync.plan.broadcast import DEFAULT_BUCKET_BYTES, plan_broadcast, stage_sources
+from weightsync.plan.broadcast import plan_broadcast
 from weightsync.plan.inputs import PlanInputs, build_inputs
 from weightsync.plan.records import Mode
-from weightsync.proc import free_port
-from weightsync.sync.broadcast_sender import BroadcastSender, announcement
+from weightsync.sync.broadcast_groups import BroadcastGroups
+from weightsync.sync.broadcast_sender import BroadcastSender
+from weightsync.sync.from_megatron import megatron_train_parallel
 from weightsync.sync.names import module_tensors, place_params
 from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, P2PSender, dest_rank_from_info
+from weightsync.sync.rank_group import agree, from_rank0
 from weightsync.sync.tensor_sender import TensorSender
+from weightsync.sync.update_result import UpdateError, UpdateStats
+from weightsync.sync.updater_config import UpdaterConfig
 from weightsync.sync.verify import Verifier
 from weightsync.transport import TransportConfig
 
@@ -79,113 +86,6 @@ if TYPE_CHECKING:  # the HTTP client (httpx) is imported only by an updater that
     from weightsync.sync.engines import Engines
 
 log = logging.getLogger(__name__)
-
-MODES = ("p2p", "broadcast", "both")
-
-
-class UpdateError(RuntimeError):
-    """An update failed; the message names the failing trainer rank or engine. The engines stay
-    paused at their old version and serve nothing of it: the next update recovers them."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class UpdaterConfig:
-    """How a :class:`WeightUpdater` moves the weights."""
-
-    mode: str = "p2p"
-    """``p2p``, ``broadcast``, or ``both`` (both set up; updates alternate p2p, broadcast, ...
-    unless :meth:`WeightUpdater.update` is given a mode)."""
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    """Broadcast buckets and p2p staging buckets (converted tensors), in bytes (1 GiB)."""
-    transport: str | TransportConfig = "auto"
-    """p2p transport: ``auto`` (the one the engines publish), a kind (``shm``, ``cuda_ipc``,
-    ``mooncake``), or a full :class:`TransportConfig` (backend options)."""
-    colocated: bool = False
-    """Trainer ranks share GPUs with the engines: broadcast hands full tensors over through
-    ``/update_weights_from_tensor`` (NCCL cannot put two ranks of a group on one GPU)."""
-    verify_every: int = 1
-    """Compare every engine parameter's checksum with the trainer's weights after every
-    ``verify_every``-th update (the first included); 0: never."""
-    deadline_s: float = 300.0
-    """A p2p write not complete within this long fails the update."""
-    http_timeout_s: float = 600.0
-    """Per engine HTTP request."""
-    group_timeout_s: float = 600.0
-    """Broadcast over a group: joining a weight-update group, and one broadcast over it (the
-    trainer side's gloo / NCCL timeout)."""
-    update_retries: int = 0
-    """A failed attempt of an update (a rank's or engine's error, a checksum mismatch) is tried
-    again from scratch -- engines re-queried, senders rebuilt, every byte rewritten, verified --
-    this many times before :class:`UpdateError` is raised; the engines stay paused and dirty at
-    the old version until an attempt verifies."""
-    master_address: str = "127.0.0.1"
-    """Broadcast over a group: the address the engines reach the stage sources' group stores at."""
-    group_prefix: str = "weightsync"
-    """Broadcast over a group: names of the weight-update groups are ``{prefix}_src{rank}_{n}``."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
-        if self.verify_every < 0:
-            raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
-        if self.deadline_s <= 0 or self.http_timeout_s <= 0 or self.group_timeout_s <= 0:
-            raise ValueError("deadline_s, http_timeout_s and group_timeout_s must be positive")
-        if self.update_retries < 0:
-            raise ValueError(f"update_retries must be >= 0 (0: the first failed attempt raises), got "
-                             f"{self.update_retries}")
-
-    @property
-    def modes(self) -> tuple[Mode, ...]:
-        """The transfer modes set up, in the order updates alternate them."""
-        return (Mode.P2P, Mode.BROADCAST) if self.mode == "both" else (Mode(self.mode),)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class UpdateStats:
-    """One update, as rank 0 of the group timed it (pack and wire: the slowest rank's)."""
-
-    version: str
-    mode: str
-    """``p2p`` or ``broadcast``."""
-    path: str
-    """``p2p``, ``group`` (broadcast over a weight-update group) or ``tensor`` (colocated)."""
-    update_s: float
-    """From the return of ``pause_generation`` to the return of ``continue_generation``, the
-    verify phase left out (it is reported on its own)."""
-    phases: dict[str, float]
-    """``pause``, ``pack``, ``wire``, ``barrier`` (the rest of the write phase, begin included),
-    ``post_load`` (``end_weight_update``), ``resume`` (version + continue); ``verify``."""
-    bytes: int
-    """Bytes put on links (broadcast: what every rollout rank receives, summed)."""
-    bytes_per_receiver: dict[int, int]
-    buckets: int
-    post_load_engine_s: float
-    """The engines' own post-load time (the slowest)."""
-    verified: bool | None
-    """True: every engine parameter's checksum matched; None: not verified this update."""
-    per_rank: list[dict[str, Any]] = field(default_factory=list)
-    """Each trainer rank's write stats."""
-    attempts: int = 1
-    """Attempts it took (more than 1 with :attr:`UpdaterConfig.update_retries`)."""
-    failed_attempts: list[str] = field(default_factory=list)
-    """Why each earlier attempt failed."""
-
-    @property
-    def write_s(self) -> float:
-        return self.phases["pack"] + self.phases["wire"] + self.phases["barrier"]
-
-    @property
-    def gb_per_s(self) -> float:
-        """Bytes moved per second of the write phase (GB = 1e9 bytes)."""
-        return self.bytes / 1e9 / self.write_s if self.write_s > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["bytes_per_receiver"] = {str(k): v for k, v in sorted(self.bytes_per_receiver.items())}
-        out["gb_per_s"] = self.gb_per_s
-        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -239,11 +139,11 @@ class WeightUpdater:
         if dist.get_world_size(group) != train.world_size:
             raise ValueError(f"the group has {dist.get_world_size(group)} ranks, the training job "
                              f"{train.world_size} ({train}): pass the group of every trainer rank")
-        self.params = self._agree(lambda: place_params(params, spec, train, self.rank), "placing the parameters")
+        self.params = agree(self.pg, lambda: place_params(params, spec, train, self.rank), "placing the parameters")
         self.device = next(iter(self.params.values())).device
         self.engines: Engines | None = None
         if engine_urls is not None:
-            self.engines = _engines(engine_urls, self.config.http_timeout_s)
+            self.engines = _engines(engine_urls, self.config)
         elif published is None or rollout is None:
             raise ValueError("give engine_urls, or rollout and published (no engine to drive)")
         self._source_regions = source_regions
@@ -253,12 +153,13 @@ class WeightUpdater:
         self.plan_s = 0.0
         self.num_ops = 0
         self._count = 0
-        self._generation = 0
         self.p2p_sender: P2PSender | None = None
         self._bcast: BroadcastSender | None = None
         self._tensor: TensorSender | None = None
         self._verifier: Verifier | None = None
-        self._groups: dict[str, str] = {}
+        self._groups = BroadcastGroups(self.engines, rank=self.rank, prefix=self.config.group_prefix,
+                                       master_address=self.config.master_address,
+                                       timeout_s=self.config.group_timeout_s)
         self._stale = False
         """An attempt failed since the senders were built: the next update rebuilds them first."""
         self.inputs: PlanInputs
@@ -282,43 +183,6 @@ class WeightUpdater:
         return cls(module_tensors(model), spec=spec, train=train, engine_urls=engine_urls, group=group,
                    config=config, **kwargs)
 
-    def _from_rank0(self, fn: Any) -> Any:
-        """``fn()`` on rank 0, its result (or error) on every rank.
-
-        Raises:
-            ValueError: ``fn`` raised one (a mismatch); UpdateError: any other failure.
-        """
-        box: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                box[0] = ("ok", fn())
-            except Exception as exc:  # shipped to every rank, which all raise it
-                box[0] = ("error", isinstance(exc, ValueError), str(exc))
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
-        if box[0][0] == "error":
-            _, mismatch, msg = box[0]
-            raise (ValueError if mismatch else UpdateError)(msg)
-        return box[0][1]
-
-    def _agree(self, fn: Any, what: str) -> Any:
-        """``fn()`` on every rank; when any rank fails, every rank raises with every rank's error.
-
-        Raises:
-            ValueError: some rank raised one; UpdateError: some rank failed otherwise.
-        """
-        result, error = None, None
-        try:
-            result = fn()
-        except Exception as exc:  # shipped to every rank
-            error = (isinstance(exc, ValueError), f"trainer rank {self.rank}: {exc}")
-        everyone: list[Any] = [None] * self.train.world_size
-        dist.all_gather_object(everyone, error, group=self.pg)
-        bad = [e for e in everyone if e]
-        if bad:
-            msg = f"{what}: " + "; ".join(m for _, m in bad)
-            raise (ValueError if any(v for v, _ in bad) else UpdateError)(msg)
-        return result
-
     def _discover(self) -> _Discovered:
         rollout, published = self._fixed
         if published is not None and rollout is not None:
@@ -341,7 +205,7 @@ class WeightUpdater:
             found = str(first["descriptor"]["kind"]) if first.get("descriptor") else SGLANG_TRANSPORT
             return _Discovered(rollout=r, infos=infos, kind=found)
 
-        return self._from_rank0(find)
+        return from_rank0(self.pg, find)
 
     def _inputs(self, rollout: RolloutParallel) -> PlanInputs:
         return build_inputs(self.spec, self.train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout,
@@ -363,12 +227,13 @@ class WeightUpdater:
         self.discovered = found
         self.inputs = self._inputs(found.rollout)
         if Mode.P2P in self.config.modes:
-            self._agree(lambda: self._set_up_p2p(found), "p2p set-up")
+            agree(self.pg, lambda: self._set_up_p2p(found), "p2p set-up")
         if Mode.BROADCAST in self.config.modes:
             self._set_up_broadcast()
         if self.config.verify_every:
-            self._verifier = self._agree(lambda: Verifier(self._gatherer(), self.inputs, rank=self.rank, pg=self.pg,
-                                                          bucket_bytes=self.config.bucket_bytes), "verifier set-up")
+            self._verifier = agree(self.pg, lambda: Verifier(self._gatherer(), self.inputs, rank=self.rank,
+                                                             pg=self.pg, bucket_bytes=self.config.bucket_bytes),
+                                   "verifier set-up")
 
     def _set_up_p2p(self, found: _Discovered) -> None:
         from weightsync.plan.p2p import plan_p2p_for_rank
@@ -397,50 +262,28 @@ class WeightUpdater:
         self._buckets = plan_broadcast(self.inputs, bucket_bytes=self.config.bucket_bytes, dst_rank=0).buckets
         tp = self.inputs.rollout.tp
         if self.config.colocated:
-            self._tensor = self._agree(lambda: TensorSender(self._gatherer(), self.engines, tp=tp), "broadcast set-up")
+            self._tensor = agree(self.pg, lambda: TensorSender(self._gatherer(), self.engines, tp=tp),
+                                 "broadcast set-up")
             return
         layout = trainer_layout(self.spec, self.train, self.rank)
+
+        def sender(group: Mapping[str, Any]) -> BroadcastSender:
+            return BroadcastSender(self.spec, self.inputs, self.rank, layout, self.params, group=group,
+                                   device=self.device.type, pg=self.pg)
+
         if self._broadcast_group_given is not None:
             given = self._broadcast_group_given
-            self._bcast = self._agree(lambda: BroadcastSender(self.spec, self.inputs, self.rank, layout, self.params,
-                                                              group=given, device=self.device.type, pg=self.pg),
-                                      "broadcast set-up")
+            self._bcast = agree(self.pg, lambda: sender(given), "broadcast set-up")
             return
         assert self.engines is not None
-        self._generation += 1
-        sources = sorted(set(stage_sources(self.inputs).values()))
-        host = self.config.master_address
-        mine = {str(self.rank): free_port(host)} if self.rank in sources else {}
-        everyone: list[Any] = [None] * self.train.world_size
-        dist.all_gather_object(everyone, mine, group=self.pg)
-        ports = {k: v for part in everyone for k, v in part.items()}
-        world = 1 + self.inputs.rollout.world_size
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        names = {str(s): f"{self.config.group_prefix}_src{s}_{self._generation}" for s in sources}
-        group = {"master_address": host, "world_size": world, "backend": backend, "ports": ports,
-                 "group_names": names, "timeout_s": self.config.group_timeout_s}
-        joins = []
-        if self.rank == 0:  # the engines join while the sources host their groups (both block)
-            joins = [self.engines.submit(c.init_weights_update_group, master_address=host,
-                                         master_port=int(ports[str(s)]), rank_offset=1 + e * tp, world_size=world,
-                                         group_name=names[str(s)], backend=backend)
-                     for s in sources for e, c in enumerate(self.engines.clients)]
+        group, joins = self._groups.open(self.inputs, self.pg, device_type=self.device.type)
 
         def join() -> BroadcastSender:
-            sender = BroadcastSender(self.spec, self.inputs, self.rank, layout, self.params, group=group,
-                                     device=self.device.type, pg=self.pg)
-            failed = []
-            for j in joins:
-                try:
-                    j.result()
-                except Exception as exc:  # an engine's HTTP error, reported on every rank
-                    failed.append(f"init_weights_update_group: {exc}")
-            if failed:
-                raise UpdateError("; ".join(failed))
-            return sender
+            joined = sender(group)
+            self._groups.wait_joined(joins)
+            return joined
 
-        self._groups = names
-        self._bcast = self._agree(join, "broadcast set-up (joining the weight-update groups)")
+        self._bcast = agree(self.pg, join, "broadcast set-up (joining the weight-update groups)")
 
     # -- the update -----------------------------------------------------------------------------
 
@@ -495,7 +338,7 @@ class WeightUpdater:
             except BaseException:  # the trainer group itself failed (a rank died): nothing to retry with
                 self._stale = True
                 if self.rank == 0 and self.engines is not None:
-                    _abort_sessions(self.engines, min(ABORT_WAIT_S, self.config.http_timeout_s))
+                    self.engines.abort_sessions(min(ABORT_WAIT_S, self.config.http_timeout_s))
                 raise
             return replace(stats, attempts=attempt, failed_attempts=failures)
         raise AssertionError("unreachable")
@@ -528,10 +371,10 @@ class WeightUpdater:
             marks["t0"] = time.perf_counter()
             eng.each(lambda c: c.pause_generation(), what="pause_generation")
             marks["t1"] = time.perf_counter()
-            eng.each(_begin, what="begin_weight_update")
+            eng.begin_weight_update()
 
         try:
-            self._from_rank0(pause_begin)
+            from_rank0(self.pg, pause_begin)
         except (UpdateError, ValueError) as exc:
             self._held(version, [str(exc)])
         error = None
@@ -554,7 +397,7 @@ class WeightUpdater:
             return ends
 
         try:
-            ends = self._from_rank0(end)
+            ends = from_rank0(self.pg, end)
         except (UpdateError, ValueError) as exc:
             self._held(version, [str(exc)])
         verified: bool | None = None
@@ -562,7 +405,7 @@ class WeightUpdater:
         if self._verifier is not None and verify:
             expected = self._verifier.expected()
             try:
-                bad = self._from_rank0(lambda: self._verifier.compare(eng, expected))  # type: ignore[union-attr]
+                bad = from_rank0(self.pg, lambda: self._verifier.compare(eng, expected))  # type: ignore[union-attr]
             except (UpdateError, ValueError) as exc:
                 self._held(version, [f"verification: {exc}"])
             if bad:
@@ -577,7 +420,7 @@ class WeightUpdater:
             return {"resume": time.perf_counter() - t, **marks}
 
         try:
-            times = self._from_rank0(finish)
+            times = from_rank0(self.pg, finish)
         except (UpdateError, ValueError) as exc:
             self._held(version, [str(exc)])
         return self._stats(version, m, results, ends, times, verify_s, verified)
@@ -592,41 +435,22 @@ class WeightUpdater:
         """
         self._stale = True
         if self.rank == 0 and self.engines is not None:
-            _abort_sessions(self.engines, min(ABORT_WAIT_S, self.config.http_timeout_s))
+            self.engines.abort_sessions(min(ABORT_WAIT_S, self.config.http_timeout_s))
         _held(version, errors)
 
     def _mode(self, mode: str | Mode | None) -> Mode:
         modes = self.config.modes
-        m = modes[self._count % len(modes)] if mode is None else Mode.parse(str(mode))
+        m = modes[self._count % len(modes)] if mode is None else Mode.transfer(mode)
         if m not in modes:
-            raise ValueError(f"mode {m} was not set up (UpdaterConfig(mode={self.config.mode!r}))")
+            raise ValueError(f"mode {m} was not set up (UpdaterConfig(mode='{self.config.mode}'))")
         return m
 
     def _stats(self, version: str, mode: Mode, results: list[dict[str, Any]], ends: list[Any],
                times: dict[str, float], verify_s: float, verified: bool | None) -> UpdateStats:
-        pack = max(r["pack_s"] for r in results)
-        wire = max(r["wire_s"] for r in results)
-        write = times["t2"] - times["t1"]
-        by_dest: dict[int, int] = defaultdict(int)
-        if mode is Mode.P2P:
-            for r in results:
-                for d, n in r["bytes_by_dest"].items():
-                    by_dest[int(d)] += n
-            nbytes = sum(r["bytes"] for r in results)
-            buckets = sum(r["buckets"] for r in results)
-        else:
-            sent = sum(r["bytes"] for r in results)
-            by_dest = defaultdict(int, dict.fromkeys(range(self.inputs.rollout.world_size), sent))
-            nbytes = sent * self.inputs.rollout.world_size
-            buckets = len(self._buckets)
-        post = [e.get("post_load_seconds", 0.0) if isinstance(e, dict) else 0.0 for e in ends]
-        phases = {"pause": times["t1"] - times["t0"], "pack": pack, "wire": wire,
-                  "barrier": max(0.0, write - pack - wire), "post_load": times["t3"] - times["t2"],
-                  "resume": times["resume"], "verify": verify_s}
-        update_s = sum(v for k, v in phases.items() if k not in ("pause", "verify"))
-        return UpdateStats(version=version, mode=mode.value, path=self._path(mode), update_s=update_s, phases=phases,
-                           bytes=nbytes, bytes_per_receiver=dict(by_dest), buckets=buckets,
-                           post_load_engine_s=max(post, default=0.0), verified=verified, per_rank=results)
+        buckets = None if mode is Mode.P2P else len(self._buckets)
+        return UpdateStats.from_ranks(version=version, mode=mode, path=self._path(mode), results=results, ends=ends,
+                                      times=times, verify_s=verify_s, verified=verified,
+                                      num_receivers=self.inputs.rollout.world_size, broadcast_buckets=buckets)
 
     def _path(self, mode: Mode) -> str:
         if mode is Mode.P2P:
@@ -640,7 +464,7 @@ class WeightUpdater:
         Returns:
             This rank's ``{"pack_s", "wire_s", "bytes", "bytes_by_dest", "buckets", "total_s"}``.
         """
-        m = Mode.parse(str(mode))
+        m = Mode.transfer(mode)
         if m is Mode.P2P:
             if self.p2p_sender is None:
                 raise ValueError("p2p was not set up (UpdaterConfig(mode='p2p' or 'both'))")
@@ -656,50 +480,13 @@ class WeightUpdater:
             if self._tensor is not None:
                 r = self._tensor.send_bucket(b.names)
             else:
-                r = self._send_group_bucket(b)
+                assert self._bcast is not None
+                r = self._groups.send_bucket(self._bcast, self.inputs, b, http_timeout_s=self.config.http_timeout_s)
             pack += r["pack_s"]
             wire += r["wire_s"]
             sent += r["bytes"]
         return {"pack_s": pack, "wire_s": wire, "total_s": time.perf_counter() - t0, "bytes": sent,
                 "bytes_by_dest": {}, "buckets": len(self._buckets)}
-
-    def _send_group_bucket(self, bucket: Any) -> dict[str, Any]:
-        """One bucket over the weight-update groups: rank 0 announces it to the engines (which
-        then receive) while the sources broadcast."""
-        assert self._bcast is not None
-        announce = None
-        if self.rank == 0 and self.engines is not None and self._groups:
-            names, dtypes, shapes = announcement(self.inputs, bucket.names)
-            group_name = self._groups[str(bucket.src_rank)]
-            eng = self.engines
-            announce = eng.submit(eng.each, lambda c: c.update_weights_from_distributed(
-                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=False),
-                what="update_weights_from_distributed")
-            # An engine that refuses the bucket never receives it: the source's broadcast would
-            # wait out the group's timeout. Taking the engines off the group ends it at once (the
-            # peers close their connections); the next attempt builds new groups.
-            announce.add_done_callback(lambda f, name=group_name: f.exception() is not None
-                                       and self._drop_group(name))
-        try:
-            r = self._bcast.send_bucket(bucket.names)
-        except Exception:
-            if announce is not None and announce.done() and announce.exception() is not None:
-                raise announce.exception() from None  # the engine's refusal is the cause
-            raise
-        if announce is not None:
-            announce.result(timeout=self.config.http_timeout_s)
-        return r
-
-    def _drop_group(self, name: str) -> None:
-        """Every engine leaves weight-update group ``name`` (best effort; it is not joined again)."""
-        assert self.engines is not None
-        for e, c in enumerate(self.engines.clients):
-            try:
-                c.destroy_weights_update_group(name)
-            except Exception as exc:  # it may never have joined
-                log.warning("[rank%d] %s: leaving weight-update group %s: %s", self.rank, self.engines.where(e),
-                            name, exc)
-        self._groups = {k: v for k, v in self._groups.items() if v != name}
 
     def full_tensors(self) -> Iterator[dict[str, torch.Tensor]]:
         """The trainer's full (global) tensors, bucket by bucket of the broadcast plan, in the
@@ -728,9 +515,10 @@ class WeightUpdater:
         old = self.discovered
         new_urls = engine_urls is not None and list(engine_urls) != self.engines.urls
         if new_urls:
-            self._leave_groups()
+            self._groups.leave()
             self.engines.close()
-            self.engines = _engines(engine_urls or (), self.config.http_timeout_s)
+            self.engines = _engines(engine_urls or (), self.config)
+            self._groups.engines = self.engines
         found = self._discover()
         # A restarted engine publishes new addresses (p2p sees it); it has also left the
         # weight-update groups, which nothing published shows: those are always joined again.
@@ -761,20 +549,8 @@ class WeightUpdater:
         """The p2p transport (None when p2p is not set up)."""
         return None if self.p2p_sender is None else self.p2p_sender.transport
 
-    def _leave_groups(self) -> None:
-        if self.rank != 0 or self.engines is None:
-            return
-        for name in self._groups.values():
-            for e, c in enumerate(self.engines.clients):
-                try:
-                    c.destroy_weights_update_group(name)
-                except Exception as exc:  # best effort: the engine may be stopping
-                    log.warning("[rank%d] engine %d: could not leave weight-update group %s: %s", self.rank, e, name,
-                                exc)
-        self._groups = {}
-
     def _close_senders(self) -> None:
-        self._leave_groups()  # the engines first: then the sources' side of the groups
+        self._groups.leave()  # the engines first: then the sources' side of the groups
         if self.p2p_sender is not None:
             self.p2p_sender.close()
             self.p2p_sender = None
@@ -806,45 +582,14 @@ class WeightUpdater:
         self.close()
 
 
-def _engines(urls: Sequence[str], timeout_s: float) -> Engines:
+def _engines(urls: Sequence[str], config: UpdaterConfig) -> Engines:
     from weightsync.sync.engines import Engines
 
-    return Engines(list(urls), timeout_s=timeout_s)
-
-
-def _begin(client: Any) -> Any:
-    """``begin_weight_update``; on a session still open from an earlier update whose holder is
-    gone (a killed run, an abort that did not arrive: 409), that session is aborted first -- this
-    updater drives the engine now, and the new session recovers it."""
-    from weightsync.sync.engine_client import EngineError
-
-    try:
-        return client.begin_weight_update()
-    except EngineError as exc:
-        if exc.status != 409 or "in progress" not in str(exc):
-            raise
-    log.warning("%s: an earlier update's session is still open; aborting it to begin this one", client.base_url)
-    client.session_id = None  # whichever session is open
-    client.abort_weight_update()
-    return client.begin_weight_update()
+    return Engines(list(urls), timeout_s=config.http_timeout_s, token=config.token)
 
 
 ABORT_WAIT_S = 10.0
 """How long a failed attempt waits for the engines to acknowledge ``abort_weight_update``."""
-
-
-def _abort_sessions(engines: Engines, wait_s: float) -> None:
-    """``abort_weight_update`` on every engine, waiting at most ``wait_s`` (an engine that is
-    gone or refuses is logged: its session was not opened, or it is replaced by the next one)."""
-    from concurrent.futures import wait
-
-    futures = {engines.submit(c.abort_weight_update): i for i, c in enumerate(engines.clients)}
-    done, late = wait(futures, timeout=wait_s)
-    for f in done:
-        if f.exception() is not None:
-            log.warning("%s: abort_weight_update: %s", engines.where(futures[f]), f.exception())
-    for f in late:
-        log.warning("%s: abort_weight_update not answered within %.0f s", engines.where(futures[f]), wait_s)
 
 
 def _held(version: str, errors: Sequence[str]) -> None:
@@ -858,39 +603,4 @@ def _held(version: str, errors: Sequence[str]) -> None:
                       f"(nothing of this update is served; the next update recovers them): " + "; ".join(errors))
 
 
-def megatron_train_parallel(model: torch.nn.Module, spec: ModelSpec, group: Any) -> TrainParallel:
-    """The :class:`TrainParallel` of a live megatron-core job, from its ``parallel_state``.
-
-    Raises:
-        ValueError: the parallel state is not initialized, or this rank's megatron coordinates
-            are not those of its rank in ``group`` (naming the coordinate).
-    """
-    from megatron.core import parallel_state as ps
-
-    from weightsync.layout.megatron import MLA_DOWN_PROJ, train_coords
-
-    if not ps.model_parallel_is_initialized():
-        raise ValueError("megatron-core's parallel state is not initialized (initialize_model_parallel first)")
-    config = getattr(model, "config", None)
-    replicated = False
-    if spec.is_mla and ps.get_tensor_model_parallel_world_size() > 1:
-        whole = spec.kv_lora_rank + spec.qk_rope_head_dim
-        replicated = any(n.endswith(MLA_DOWN_PROJ[1]) and p.shape[0] == whole for n, p in model.named_parameters())
-    train = TrainParallel(
-        world_size=dist.get_world_size(group), tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(), cp=ps.get_context_parallel_world_size(),
-        ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
-        pp_last_stage_layers=getattr(config, "num_layers_in_last_pipeline_stage", None),
-        sequence_parallel=bool(getattr(config, "sequence_parallel", False)), mla_down_proj_replicated=replicated)
-    c = train_coords(train, dist.get_rank(group))
-    have = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
-            "ep": ps.get_expert_model_parallel_rank(), "etp": ps.get_expert_tensor_parallel_rank()}
-    bad = [f"{k}: megatron {v}, group rank {dist.get_rank(group)} -> {getattr(c, k)}" for k, v in have.items()
-           if getattr(c, k) != v]
-    if bad:
-        raise ValueError("megatron-core's rank order is not the group's (Megatron's default order tp-cp-ep-dp-pp is "
-                         "expected): " + "; ".join(bad))
-    return train
-
-
-__all__ = ["UpdateError", "UpdateStats", "UpdaterConfig", "WeightUpdater", "megatron_train_parallel"]
+__all__ = ["UpdateError", "WeightUpdater"]

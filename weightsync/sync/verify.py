@@ -15,7 +15,7 @@ of both sides; every other parameter of every rank is compared, vocab padding in
 both sides).
 
 Cost: one gather of the model on the stage sources and host copies of one engine's parameters
-(every engine holds the same), hence :class:`~weightsync.sync.updater.UpdaterConfig`'s
+(every engine holds the same), hence :class:`~weightsync.sync.updater_config.UpdaterConfig`'s
 ``verify_every``.
 """
 

@@ -12,7 +12,6 @@ import argparse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from weightsync.launch.config import RunMode
 from weightsync.models.fit import profile_sizes
 from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
 from weightsync.plan.records import Mode
@@ -180,7 +179,7 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, list[str]]:
 
     train, rollout = profile_sizes(args.model, args.train, args.rollout)
     spec = get_model(args.model, args.scale)
-    requested = RunMode.parse(args.mode).modes
+    requested = Mode.parse(args.mode).transfers
     notes: list[str] = []
     gpus: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     if args.device == "cuda":

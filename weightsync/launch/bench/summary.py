@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightsync.launch.bench.config import BenchConfig
+from weightsync.plan.records import Mode
 
 if TYPE_CHECKING:  # the worker imports torch; this module does not (the CLI imports it)
     from weightsync.launch.bench.worker import RankResult
@@ -233,7 +234,7 @@ def summarize(cfg: BenchConfig, results: list[RankResult], notes: list[str]) -> 
         post = _post_load_summary(results, m) if m in cfg.modes else None
         if post is not None:
             out[m]["post_load"] = post
-    out["verified"] = all(out[m]["check"]["ok"] for m in ("p2p", "broadcast", "tensor") if m in out)
+    out["verified"] = all(out[m]["check"]["ok"] for m in (*Mode.BOTH.transfers, "tensor") if m in out)
     return out
 
 
@@ -311,7 +312,7 @@ def format_table(s: dict[str, Any]) -> str:
         tail.append(f"p2p vs broadcast: {s['speedup_p2p_vs_broadcast']:.2f}x")
     if "speedup_p2p_vs_tensor" in s:
         tail.append(f"p2p vs colocated baseline: {s['speedup_p2p_vs_tensor']:.2f}x")
-    checks = [f"{m} {'bit-exact' if s[m]['check']['ok'] else 'MISMATCH'}" for m in ("p2p", "broadcast", "tensor")
+    checks = [f"{m} {'bit-exact' if s[m]['check']['ok'] else 'MISMATCH'}" for m in (*Mode.BOTH.transfers, "tensor")
               if m in s]
     lines.append("   ".join(tail + checks))
     lines.extend(f"note: {n}" for n in s["notes"])

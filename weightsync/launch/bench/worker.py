@@ -72,7 +72,8 @@ from weightsync.sync.broadcast_receiver import BroadcastReceiver
 from weightsync.sync.broadcast_sender import announcement
 from weightsync.sync.p2p_receiver import PARAMS_REGION, Receiver
 from weightsync.sync.params import ParamStore
-from weightsync.sync.updater import UpdaterConfig, WeightUpdater
+from weightsync.sync.updater import WeightUpdater
+from weightsync.sync.updater_config import UpdaterConfig
 from weightsync.transport import PeerDescriptor, deadline_after
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,73 @@
+"""How a :class:`~weightsync.sync.updater.WeightUpdater` moves the weights: :class:`UpdaterConfig`.
+
+One frozen record, filled by the caller (a training loop, ``run``'s trainer ranks, the benchmark)
+and checked when it is built; strings given for the mode are parsed here, at the library's edge,
+into :class:`~weightsync.plan.records.Mode`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from weightsync.plan.broadcast import DEFAULT_BUCKET_BYTES
+from weightsync.plan.records import Mode
+from weightsync.transport import TransportConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdaterConfig:
+    """How a :class:`~weightsync.sync.updater.WeightUpdater` moves the weights."""
+
+    mode: Mode = Mode.P2P
+    """``p2p``, ``broadcast``, or ``both`` (both set up; updates alternate p2p, broadcast, ...
+    unless :meth:`~weightsync.sync.updater.WeightUpdater.update` is given a mode); a string is
+    parsed."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Broadcast buckets and p2p staging buckets (converted tensors), in bytes (1 GiB)."""
+    transport: str | TransportConfig = "auto"
+    """p2p transport: ``auto`` (the one the engines publish), a kind (``shm``, ``cuda_ipc``,
+    ``mooncake``), or a full :class:`TransportConfig` (backend options)."""
+    colocated: bool = False
+    """Trainer ranks share GPUs with the engines: broadcast hands full tensors over through
+    ``/update_weights_from_tensor`` (NCCL cannot put two ranks of a group on one GPU)."""
+    verify_every: int = 1
+    """Compare every engine parameter's checksum with the trainer's weights after every
+    ``verify_every``-th update (the first included); 0: never."""
+    deadline_s: float = 300.0
+    """A p2p write not complete within this long fails the update."""
+    http_timeout_s: float = 600.0
+    """Per engine HTTP request."""
+    group_timeout_s: float = 600.0
+    """Broadcast over a group: joining a weight-update group, and one broadcast over it (the
+    trainer side's gloo / NCCL timeout)."""
+    update_retries: int = 0
+    """A failed attempt of an update (a rank's or engine's error, a checksum mismatch) is tried
+    again from scratch -- engines re-queried, senders rebuilt, every byte rewritten, verified --
+    this many times before :class:`~weightsync.sync.update_result.UpdateError` is raised; the engines
+    stay paused and dirty at the old version until an attempt verifies."""
+    master_address: str = "127.0.0.1"
+    """Broadcast over a group: the address the engines reach the stage sources' group stores at."""
+    group_prefix: str = "weightsync"
+    """Broadcast over a group: names of the weight-update groups are ``{prefix}_src{rank}_{n}``."""
+    token: str | None = field(default=None, repr=False)
+    """The engines' access token, sent as ``Authorization: Bearer <token>`` on every engine call
+    (an engine started with a token answers 401 / 403 without it); None: no token."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.verify_every < 0:
+            raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
+        if self.deadline_s <= 0 or self.http_timeout_s <= 0 or self.group_timeout_s <= 0:
+            raise ValueError("deadline_s, http_timeout_s and group_timeout_s must be positive")
+        if self.update_retries < 0:
+            raise ValueError(f"update_retries must be >= 0 (0: the first failed attempt raises), got "
+                             f"{self.update_retries}")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("token is empty: give the engines' token, or None for engines without one")
+
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        """The transfer modes set up, in the order updates alternate them."""
+        return self.mode.transfers
