@@ -11,11 +11,16 @@ model's ``named_parameters()`` gives on one rank); each step changes every weigh
 ``update()`` moves them into the engine: p2p and broadcast alternate (``mode="both"``), and
 every update is verified (every engine parameter's checksum against the trainer's weights laid
 out by the engine's loading rule: bit-exact or the update fails).
+
+An engine started with a token (``weightsync serve ... --token-file FILE``, or ``WEIGHTSYNC_TOKEN``)
+answers 401 / 403 to a caller without it; give the same file here (``--token-file FILE``): the
+token goes to the updater as ``UpdaterConfig(token=...)``, which sends it on every engine call.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,7 +38,9 @@ def main() -> int:
     p.add_argument("--model", default="Qwen3-4B")
     p.add_argument("--scale", default="tiny")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--token-file", type=Path, default=None, help="file holding the engines' access token, if any")
     args = p.parse_args()
+    token = args.token_file.read_text().strip() if args.token_file else None
 
     # One trainer rank in its own gloo group (a real job passes the group of its trainer ranks).
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -44,7 +51,7 @@ def main() -> int:
     params = {t.name: torch.randn(t.shape, generator=gen).to(getattr(torch, t.dtype))
               for t in trainer_layout(spec, train, rank=0)}
 
-    config = UpdaterConfig(mode="both", bucket_bytes=1 << 20, verify_every=1)
+    config = UpdaterConfig(mode="both", bucket_bytes=1 << 20, verify_every=1, token=token)
     with WeightUpdater(params, spec=spec, train=train, engine_urls=args.engine_url, group=group,
                        config=config) as updater:
         for step in range(1, args.steps + 1):

@@ -4,8 +4,8 @@
 system's variables (``CKPT_SAVE_DIR``, ``SKIP_VALIDATION``, ``BUCKET_SIZE_GB``,
 ``MILES_LOG_DIR``), the transport ones (``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``) and the
 multi-node ones (``WEIGHTSYNC_NODE_TIMEOUT_S``, ``WEIGHTSYNC_RAY_PORT``), the engines' access token
-(``WEIGHTSYNC_TOKEN``, :func:`env_token`; ``weightsync serve`` reads it here too), and nothing below
-this module reads the environment.
+(``WEIGHTSYNC_TOKEN``, :func:`env_token`; ``weightsync serve`` reads it here too, at its CLI edge),
+and nothing below this module reads the environment: values are passed down explicitly.
 
 Every wait of a run has its deadline in :class:`Deadlines` (``run --deadlines KEY=SECONDS,...``);
 ``WEIGHTSYNC_FAULT_HOOK`` (tests only, :attr:`EnvSettings.fault_hook`) names a function the trainer
@@ -52,8 +52,9 @@ class EnvSettings:
     ray_port: int = DEFAULT_RAY_PORT
     """``WEIGHTSYNC_RAY_PORT``: the Ray head's port (open it between the nodes)."""
     token: str | None = field(default=None, repr=False)
-    """``WEIGHTSYNC_TOKEN``: the engines' access token (engines get it in their environment,
-    clients send it as ``Authorization: Bearer``); None: unset."""
+    """``WEIGHTSYNC_TOKEN``: the engines' access token; None: unset. A run hands it to its placement,
+    which starts the engines with it in their environment and passes it to every client (the
+    launcher's, and the trainer ranks' through ``UpdaterConfig.token``)."""
     fault_hook: str = ""
     """``WEIGHTSYNC_FAULT_HOOK`` (tests only): ``module:function[:argument]``, called on every
     trainer rank as ``function(worker, argument)`` once its updater is built ("": none)."""

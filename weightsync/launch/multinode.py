@@ -39,7 +39,7 @@ def run_head(cfg: RunConfig, *, hf_dir: Path, torch_dist_dir: Path, say: Callabl
     plan = cfg.nodes.nodes_of()
     say("placement: " + "; ".join(f"node {n}: {', '.join(what) or 'nothing'}" for n, what in plan.items()))
     with HeadCluster(cfg.cluster, log_dir=cfg.log_dir, run=job_of(cfg)) as cluster, cluster.guard():
-        placement = RayPlacement(cluster, cfg.nodes, cfg.log_dir, gpus=cfg.device == "cuda")
+        placement = RayPlacement(cluster, cfg.nodes, cfg.log_dir, gpus=cfg.device == "cuda", token=cfg.env.token)
         return RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir, placement=placement).run()
 
 

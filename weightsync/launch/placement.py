@@ -18,10 +18,11 @@ Addresses: an engine binds its HTTP (and publishes its Mooncake session) on its 
 address when a peer -- the launcher or a trainer rank -- is on another host, and on loopback
 otherwise (:attr:`EngineEndpoint.remote`); rendezvous ports are picked on the host that binds them.
 
-Token: the engines' access token is ``WEIGHTSYNC_TOKEN``; a placement whose engines bind an
-address beyond loopback makes one when it is unset (an engine refuses to serve there without
-one). It reaches the engines in their environment and every client of the launcher and of the
-trainer ranks (:func:`weightsync.sync.engine_client.configure_token`).
+Token: the engines' access token is the run's (``EnvSettings.token``, ``WEIGHTSYNC_TOKEN``), given
+to the placement; a placement whose engines bind an address beyond loopback makes one when none is
+given (an engine refuses to serve there without one). It reaches the engines in their environment
+(never on a command line) and is passed to every client: the launcher's, and the trainer ranks'
+through ``UpdaterConfig.token``.
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from weightsync.launch.config import TOKEN_ENV, Deadlines, env_token
+from weightsync.launch.config import Deadlines
 from weightsync.launch.messages import Command, Reply, Started, Stop
 from weightsync.launch.procs import AttachedEngine, EngineProc, TrainerError
 from weightsync.launch.trainer_worker import WorkerConfig, worker_main
 from weightsync.models.fit import NodePlan
 from weightsync.proc import free_port
-from weightsync.sync.engine_client import EngineClient, EngineError, configure_token
+from weightsync.sync.engine_client import EngineClient, EngineError
 from weightsync.transport.net import is_loopback
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,10 @@ class Placement(ABC):
 
     kind: str = ""
 
-    def __init__(self, log_dir: Path, nodes: NodePlan, *, needs_token: bool = False) -> None:
-        """``needs_token``: engines will bind beyond loopback, so make a token when none is set."""
+    def __init__(self, log_dir: Path, nodes: NodePlan, *, token: str | None = None, needs_token: bool = False
+                 ) -> None:
+        """``token``: the engines' access token (None: none); ``needs_token``: engines will bind
+        beyond loopback, so make one when none is given."""
         self.log_dir = log_dir
         self.nodes = nodes
         self.engines: list[EngineHandle] = []
@@ -133,12 +136,10 @@ class Placement(ABC):
         self._pool = ThreadPoolExecutor(max_workers=16)
         self.deadlines = Deadlines()
         """The run's deadlines (the session sets its own): HTTP calls, commands, the failure grace, stops."""
-        self.token = env_token()
+        self.token = token
         """The engines' access token (module docstring); None: none."""
         if self.token is None and needs_token:
             self.token = secrets.token_urlsafe(32)
-            os.environ[TOKEN_ENV] = self.token  # processes started from here inherit it
-        configure_token(self.token)
 
     # -- addresses ------------------------------------------------------------------------------
     @abstractmethod
@@ -357,10 +358,10 @@ class LocalPlacement(Placement):
 
     kind = "local"
 
-    def __init__(self, log_dir: Path, nodes: NodePlan, *, host: str = LOOPBACK) -> None:
+    def __init__(self, log_dir: Path, nodes: NodePlan, *, host: str = LOOPBACK, token: str | None = None) -> None:
         if nodes.num_nodes != 1:
             raise ValueError(f"a local placement runs on one host; this run spans {nodes.num_nodes} nodes")
-        super().__init__(log_dir, nodes, needs_token=not is_loopback(host))
+        super().__init__(log_dir, nodes, token=token, needs_token=not is_loopback(host))
         self.host = host
 
     def trainer_host(self, rank: int) -> str:

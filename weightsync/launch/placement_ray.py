@@ -69,11 +69,11 @@ class _RayEngine:
 class _RayChannel(RankChannel):
     """A trainer rank started by its agent; each command is one call of the agent."""
 
-    def __init__(self, rank: int, agent: Any, node: int, cfg: WorkerConfig, token: str | None) -> None:
+    def __init__(self, rank: int, agent: Any, node: int, cfg: WorkerConfig) -> None:
         self.rank = rank
         self.agent = agent
         self.node = node
-        self._ref = agent.start_trainer.remote(rank, cfg, token)
+        self._ref = agent.start_trainer.remote(rank, cfg)
         self._stop_ref: Any = None
 
     def send(self, msg: Command[Any]) -> None:
@@ -115,7 +115,8 @@ class RayPlacement(Placement):
 
     kind = "ray"
 
-    def __init__(self, cluster: HeadCluster, nodes: NodePlan, log_dir: Path, *, gpus: bool) -> None:
+    def __init__(self, cluster: HeadCluster, nodes: NodePlan, log_dir: Path, *, gpus: bool,
+                 token: str | None = None) -> None:
         """Reserve one bundle per trainer rank and per engine and start an agent in each.
 
         Raises:
@@ -128,7 +129,7 @@ class RayPlacement(Placement):
 
         from weightsync.launch.ray_agent import NodeAgent
 
-        super().__init__(log_dir, nodes, needs_token=True)
+        super().__init__(log_dir, nodes, token=token, needs_token=True)
         if nodes.num_nodes != len(cluster.nodes):
             raise ClusterError(f"the run's plan spans {nodes.num_nodes} nodes, the cluster has {len(cluster.nodes)}")
         self.cluster = cluster
@@ -218,7 +219,7 @@ class RayPlacement(Placement):
         return _RayEngine(ep.index, ep.url, agent, ep.node, self.token, timeout_s=self.deadlines.engine_call_s)
 
     def _spawn_trainer(self, rank: int, cfg: WorkerConfig) -> RankChannel:
-        return _RayChannel(rank, self._trainer_agents[rank], self.nodes.trainer[rank].node, cfg, self.token)
+        return _RayChannel(rank, self._trainer_agents[rank], self.nodes.trainer[rank].node, cfg)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "nodes": {str(r): a for r, a in self.cluster.nodes.items()}}

@@ -32,16 +32,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _node_env(ip: str, token: str | None = None) -> dict[str, str]:
-    """This node's environment for a rank's process: collectives on the interface of ``ip``; the
-    engines' access token as ``WEIGHTSYNC_TOKEN``."""
+def _node_env(ip: str) -> dict[str, str]:
+    """This node's environment for a rank's process: collectives on the interface of ``ip``."""
     from weightsync.launch.cluster import interface_of
-    from weightsync.launch.config import TOKEN_ENV
 
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    if token is not None:
-        env[TOKEN_ENV] = token
     iface = interface_of(ip)
     if iface:
         env.setdefault("GLOO_SOCKET_IFNAME", iface)
@@ -111,14 +107,15 @@ class NodeAgent:
             self._engine.stop()
 
     # -- a trainer rank -------------------------------------------------------------------------
-    def start_trainer(self, rank: int, cfg: WorkerConfig, token: str | None = None) -> Reply[Started]:
+    def start_trainer(self, rank: int, cfg: WorkerConfig) -> Reply[Started]:
         """Spawn trainer rank ``rank`` (``cfg`` its own: :attr:`WorkerConfig.host` is this node's
-        address; the engines' ``token`` in its environment) and wait for its start-up reply."""
+        address; the engines' token reaches it with its updater's config) and wait for its start-up
+        reply."""
         ctx = mp.get_context("spawn")
         self._rank = rank
         self._conn, child = ctx.Pipe()
         path = str(self.log_dir / f"trainer{rank}.log")
-        self._proc = ctx.Process(target=_trainer_main, args=(rank, cfg, child, path, _node_env(self.ip, token)),
+        self._proc = ctx.Process(target=_trainer_main, args=(rank, cfg, child, path, _node_env(self.ip)),
                                  name=f"trainer-rank{rank}", daemon=True)
         self._proc.start()
         child.close()

@@ -79,7 +79,8 @@ class RunSession:
         self.spec = model_spec(cfg.model, cfg.scale, checkpoint=hf_dir, dtype=cfg.dtype)
         self.hf_dir = hf_dir
         self.torch_dist_dir = torch_dist_dir
-        self.procs = placement if placement is not None else LocalPlacement(cfg.log_dir, cfg.node_plan, host=cfg.host)
+        self.procs = placement if placement is not None else LocalPlacement(cfg.log_dir, cfg.node_plan, host=cfg.host,
+                                                                            token=cfg.env.token)
         self.procs.deadlines = cfg.deadlines
         self._gen_clients: list[EngineClient] = []
         self.inputs = build_inputs(self.spec, cfg.train, cfg.rollout, trainer_layout=trainer_layout,
@@ -254,7 +255,7 @@ class RunSession:
         return UpdaterConfig(mode=self.cfg.mode, bucket_bytes=self.cfg.bucket_bytes, transport=self._transport(),
                              colocated=self.cfg.placement == "colocated", verify_every=1, master_address=host,
                              deadline_s=d.write_s, http_timeout_s=d.engine_call_s, group_timeout_s=d.group_s,
-                             update_retries=self.cfg.update_retries)
+                             update_retries=self.cfg.update_retries, token=self.procs.token)
 
     def setup_updater(self) -> None:
         """Every trainer rank builds its :class:`~weightsync.sync.updater.WeightUpdater` (plan

@@ -262,12 +262,9 @@ def fault_hook(spec: str) -> Any:
 
 def worker_main(rank: int, cfg: WorkerConfig, conn: Any) -> None:
     """Entry point of a spawned trainer rank: serve commands until STOP (or the pipe closes)."""
-    from weightsync.launch.config import env_token
     from weightsync.proc import die_with_parent
-    from weightsync.sync.engine_client import configure_token
 
     die_with_parent()  # the launcher's death (even SIGKILL) ends this rank
-    configure_token(env_token())  # the engines' token, inherited from the launcher
     logging.basicConfig(level=logging.INFO, format=f"[trainer rank{rank}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine request otherwise
     torch.set_num_threads(1)

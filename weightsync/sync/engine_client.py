@@ -4,9 +4,9 @@ The same client drives the built-in engine and a real sglang server: every metho
 endpoint with sglang's request shape. Errors carry the endpoint and the server's message.
 
 **Token.** An engine started with a token answers 401/403 without it. Every call sends
-``Authorization: Bearer <token>`` when the client has one: the ``token`` it was built with, else
-the token configured for the process (:func:`configure_token`, which the launcher's processes
-call once with ``WEIGHTSYNC_TOKEN``).
+``Authorization: Bearer <token>`` when the client was built with a ``token`` (the caller passes
+it: ``UpdaterConfig.token`` for an updater's clients, the run's token for the launcher's); the
+client reads no environment.
 
 **An update as a transaction** (the built-in engine; docs/engine.md "States")::
 
@@ -42,15 +42,6 @@ import httpx
 SESSION_HEADER = "X-Weightsync-Session"
 """Carries the update session id on the session's calls (the engine refuses another session's)."""
 
-_process_token: str | None = None
-
-
-def configure_token(token: str | None) -> None:
-    """The token every :class:`EngineClient` of this process sends unless given its own."""
-    global _process_token
-    _process_token = token or None
-
-
 class EngineError(RuntimeError):
     """An engine endpoint answered with an error status (or not at all)."""
 
@@ -67,12 +58,11 @@ class EngineClient:
         """Args:
         base_url: ``http://host:port``.
         timeout_s: per request.
-        token: sent as ``Authorization: Bearer`` (default: the process's, :func:`configure_token`).
+        token: the engine's access token, sent as ``Authorization: Bearer``; None: none.
         """
         self.base_url = base_url.rstrip("/")
         self.session_id: str | None = None
         """The update session this client opened last (sent with its calls until it ends)."""
-        token = token if token is not None else _process_token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, trust_env=False, headers=headers)
 

@@ -64,8 +64,6 @@ class UpdaterConfig:
         if self.update_retries < 0:
             raise ValueError(f"update_retries must be >= 0 (0: the first failed attempt raises), got "
                              f"{self.update_retries}")
-        if self.token is not None and not self.token.strip():
-            raise ValueError("token is empty: give the engines' token, or None for engines without one")
 
     @property
     def modes(self) -> tuple[Mode, ...]:
