@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from weightsync.engine.control import Op
+from weightsync.engine.scheduler import Scheduler
+from weightsync.engine.session import UpdateSessions
 from weightsync.models import get_model
 from weightsync.models.checkpoint import hf_config_dict, synthetic_hf_tensors, write_hf_checkpoint
 from weightsync.models.spec import ModelSpec
@@ -51,3 +55,13 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def start_sessions(driver: Any, **kwargs: Any) -> UpdateSessions:
+    """Rank 0's control of an in-process engine, as ``weightsync serve`` builds it: a
+    :class:`Scheduler` with its :class:`UpdateSessions` (``kwargs``: the sessions'), started.
+    Stop it with ``sessions.scheduler.stop()``."""
+    sched = Scheduler(driver)
+    sessions = UpdateSessions(sched, transfer_infos=driver.run(Op.TRANSFER_INFO), **kwargs)
+    sched.start()
+    return sessions

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.engine_helpers import one_torch_thread, tiny  # noqa: F401 -- autouse fixture
+from tests.engine_helpers import one_torch_thread, start_sessions, tiny  # noqa: F401 -- autouse fixture
 
 MODEL = "Qwen3-4B"
 BODY = {"input_ids": [5, 17, 250, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
@@ -39,7 +39,6 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     from weightsync.engine.control import Driver, Op, worker_loop
     from weightsync.engine.engine import Engine
     from weightsync.engine.http_api import ServerContext, build_app
-    from weightsync.engine.scheduler import Scheduler
     from weightsync.engine.tokenizer import ByteTokenizer
     from weightsync.engine.tp import EngineGroups
     from weightsync.models.parallel import RolloutParallel
@@ -56,12 +55,12 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
         return
     driver = Driver(engine)
-    sched = Scheduler(driver, transfer_infos=driver.run(Op.TRANSFER_INFO), weight_version="1")
-    sched.start()
+    sessions = start_sessions(driver, weight_version="1")
+    sched = sessions.scheduler
     tokenizer = ByteTokenizer(spec.vocab_size)
     engine.decode = tokenizer.decode
     seen: dict[str, Any] = {}
-    app = build_app(ServerContext(scheduler=sched, tokenizer=tokenizer, par=par, server_info={}))
+    app = build_app(ServerContext(sessions=sessions, tokenizer=tokenizer, par=par, server_info={}))
     with TestClient(app) as c:
 
         def gen(**sampling: Any) -> tuple[int, Any]:
@@ -90,11 +89,11 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         # injected behind the scheduler's back, on its driver thread
         assert c.post("/pause_generation", json={}).status_code == 200
         assert c.post("/weights_checker", json={"action": "snapshot"}).status_code == 200
-        sched._call(lambda: _nan_on_rank1(driver, "model.norm.weight"))
+        sched.call(lambda: _nan_on_rank1(driver, "model.norm.weight"))
         c.post("/continue_generation", json={})
         seen["nan_logits"] = gen()
         c.post("/pause_generation", json={})
-        sched._call(lambda: driver.run(Op.LOAD_DUMMY, seed=3))
+        sched.call(lambda: driver.run(Op.LOAD_DUMMY, seed=3))
         seen["restored_equal"] = c.post("/weights_checker", json={"action": "compare"}).json()
         c.post("/continue_generation", json={})
         seen["restored"] = gen()

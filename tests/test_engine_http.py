@@ -17,11 +17,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from tests.engine_helpers import one_torch_thread, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
-from weightsync.engine.control import Driver, Op
+from tests.engine_helpers import one_torch_thread, start_sessions, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
+from weightsync.engine.control import Driver
 from weightsync.engine.engine import Engine
 from weightsync.engine.http_api import ROUTES, ServerContext, build_app
-from weightsync.engine.scheduler import Scheduler
 from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.engine.tp import EngineGroups
 from weightsync.models.checkpoint import HFCheckpoint, hf_config_dict, write_hf_checkpoint
@@ -45,13 +44,12 @@ def client(ckpt: str) -> Iterator[TestClient]:
     engine = Engine.build(spec, EngineGroups.single(), device=torch.device("cpu"))
     engine.load_checkpoint(ckpt)
     driver = Driver(engine)
-    sched = Scheduler(driver, transfer_infos=driver.run(Op.TRANSFER_INFO), weight_version="v0")
-    sched.start()
+    sessions = start_sessions(driver, weight_version="v0")
     tokenizer = ByteTokenizer(spec.vocab_size)
     engine.decode = tokenizer.decode
     app = build_app(
         ServerContext(
-            scheduler=sched,
+            sessions=sessions,
             tokenizer=tokenizer,
             par=RolloutParallel(),
             server_info={"model": MODEL, "model_path": ckpt},
@@ -59,7 +57,7 @@ def client(ckpt: str) -> Iterator[TestClient]:
     )
     with TestClient(app) as c:
         yield c
-    sched.stop()
+    sessions.scheduler.stop()
     engine.close()
 
 

@@ -28,12 +28,11 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from tests.engine_helpers import one_torch_thread, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
+from tests.engine_helpers import one_torch_thread, start_sessions, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
 from weightsync.engine.config import ServeConfig
-from weightsync.engine.control import Driver, Op
+from weightsync.engine.control import Driver
 from weightsync.engine.engine import Engine
 from weightsync.engine.http_api import ServerContext, build_app
-from weightsync.engine.scheduler import Scheduler
 from weightsync.engine.serve import server_info
 from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.engine.tp import EngineGroups
@@ -61,14 +60,13 @@ def served(ckpts: tuple[str, str]) -> Iterator[tuple[TestClient, Engine]]:
     tokenizer = ByteTokenizer(spec.vocab_size)
     engine.decode = tokenizer.decode
     driver = Driver(engine)
-    sched = Scheduler(driver, transfer_infos=driver.run(Op.TRANSFER_INFO), weight_version="0")
-    sched.start()
+    sessions = start_sessions(driver, weight_version="0")
     cfg = ServeConfig(model=MODEL, scale="tiny", checkpoint=ckpts[0], weight_version="0")
     info = server_info(cfg, spec, RolloutParallel(), model_path=ckpts[0], tokenizer=tokenizer.name)
-    app = build_app(ServerContext(scheduler=sched, tokenizer=tokenizer, par=RolloutParallel(), server_info=info))
+    app = build_app(ServerContext(sessions=sessions, tokenizer=tokenizer, par=RolloutParallel(), server_info=info))
     with TestClient(app) as c:
         yield c, engine
-    sched.stop()
+    sessions.scheduler.stop()
     engine.close()
 
 

@@ -33,11 +33,11 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from tests.engine_helpers import one_torch_thread, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
-from weightsync.engine.control import Driver, Op
+from tests.engine_helpers import one_torch_thread, start_sessions, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
+from weightsync.engine.control import Driver
 from weightsync.engine.engine import Engine
 from weightsync.engine.http_api import OPEN_ROUTES, ROUTES, ServerContext, build_app
-from weightsync.engine.scheduler import Scheduler
+from weightsync.engine.session import UpdateSessions
 from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.engine.tp import EngineGroups
 from weightsync.layout.megatron import trainer_layout
@@ -65,29 +65,27 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(ckpt: str) -> Iterator[tuple[Scheduler, Engine, ByteTokenizer]]:
+def served(ckpt: str) -> Iterator[tuple[UpdateSessions, Engine, ByteTokenizer]]:
     spec = tiny(MODEL)
     engine = Engine.build(spec, EngineGroups.single(), device=torch.device("cpu"), group_timeout_s=GROUP_TIMEOUT_S)
     engine.load_checkpoint(ckpt)
     tokenizer = ByteTokenizer(spec.vocab_size)
     engine.decode = tokenizer.decode
     driver = Driver(engine)
-    sched = Scheduler(driver, transfer_infos=driver.run(Op.TRANSFER_INFO), weight_version="v0",
-                      group_timeout_s=GROUP_TIMEOUT_S)
-    sched.start()
-    yield sched, engine, tokenizer
-    sched.stop()
+    sessions = start_sessions(driver, weight_version="v0", group_timeout_s=GROUP_TIMEOUT_S)
+    yield sessions, engine, tokenizer
+    sessions.scheduler.stop()
     engine.close()
 
 
-def _app(served: tuple[Scheduler, Engine, ByteTokenizer], **ctx: Any) -> TestClient:
-    sched, _, tokenizer = served
-    return TestClient(build_app(ServerContext(scheduler=sched, tokenizer=tokenizer, par=RolloutParallel(),
+def _app(served: tuple[UpdateSessions, Engine, ByteTokenizer], **ctx: Any) -> TestClient:
+    sessions, _, tokenizer = served
+    return TestClient(build_app(ServerContext(sessions=sessions, tokenizer=tokenizer, par=RolloutParallel(),
                                               server_info={"model_path": "x"}, **ctx)))
 
 
 @pytest.fixture(scope="module")
-def client(served: tuple[Scheduler, Engine, ByteTokenizer]) -> Iterator[TestClient]:
+def client(served: tuple[UpdateSessions, Engine, ByteTokenizer]) -> Iterator[TestClient]:
     with _app(served) as c:
         yield c
 
@@ -138,7 +136,7 @@ def _direct_entry(name: str, t: torch.Tensor) -> str:
 # -- access --------------------------------------------------------------------------------------
 
 
-def test_token_guards_every_route_but_health(served: tuple[Scheduler, Engine, ByteTokenizer]) -> None:
+def test_token_guards_every_route_but_health(served: tuple[UpdateSessions, Engine, ByteTokenizer]) -> None:
     with _app(served, token=TOKEN) as c:
         assert c.get("/health").status_code == 200, "liveness needs no token"
         for path in set(ROUTES) - set(OPEN_ROUTES):
@@ -162,7 +160,7 @@ def test_token_guards_every_route_but_health(served: tuple[Scheduler, Engine, By
 
 
 def test_writes_outside_a_session_are_refused_and_change_nothing(client: TestClient, ckpt: str,
-                                                                  served: tuple[Scheduler, Engine, Any]) -> None:
+                                                                  served: tuple[UpdateSessions, Engine, Any]) -> None:
     """sglang 0.5.23: update calls outside begin ... end fail. Serving and paused alike."""
     before = _checksums(client)
     zeros = torch.zeros_like(served[1].store[EMBED])
@@ -319,8 +317,9 @@ def test_abort_leaves_dirty_at_the_old_version_and_a_later_session_recovers(clie
 # -- limits, input, errors -----------------------------------------------------------------------
 
 
-def test_size_queue_and_deadline_limits(served: tuple[Scheduler, Engine, ByteTokenizer], client: TestClient) -> None:
-    sched = served[0]
+def test_size_queue_and_deadline_limits(served: tuple[UpdateSessions, Engine, ByteTokenizer],
+                                        client: TestClient) -> None:
+    sched = served[0].scheduler
     with _app(served, max_request_bytes=1000, request_timeout_s=1.0) as c:
         big = c.post("/generate", json={"input_ids": list(range(1, 400)), "sampling_params": {"max_new_tokens": 1}})
         assert big.status_code == 413

@@ -12,7 +12,10 @@ Modules, bottom up:
 * ``sampling``, ``engine``   batched KV-cached generation and logprobs on one rank
 * ``checker``    the weight checker
 * ``control``    rank 0 drives the other ranks (typed commands, per-rank replies)
-* ``scheduler``  rank 0's state machine and batching; ``io_struct`` + ``http_api`` the HTTP layer
+* ``scheduler``  rank 0's batching: the driver thread, the queue, generation
+* ``states``     the engine's state machine, written once as a table (``TRANSITIONS``)
+* ``session``    the weight-update sessions that drive it (begin / write / end / publish / abort),
+                 the scheduler's gate; ``io_struct`` + ``http_api`` the HTTP layer
 * ``bootstrap``, ``serve``   the server of ``weightsync serve`` (its command line: :mod:`weightsync.cli.serve`)
 * ``reference``  a plain reference forward over global HF tensors (tests, logprob parity)
 

@@ -1,9 +1,10 @@
 """The engine's HTTP API on rank 0 (FastAPI): sglang's endpoints, request bodies and answers.
 
-Handlers are thin: parse the body (:mod:`weightsync.engine.io_struct`), hand the work to the
-:class:`~weightsync.engine.scheduler.Scheduler` from a worker thread (``asyncio.to_thread``, so
-the event loop never blocks on the model or on a collective), shape the answer. The state
-machine lives in the scheduler.
+Handlers are thin: parse the body (:mod:`weightsync.engine.io_struct`), hand the work from a
+worker thread (``asyncio.to_thread``, so the event loop never blocks on the model or on a
+collective) to the :class:`~weightsync.engine.scheduler.Scheduler` (generation) or the
+:class:`~weightsync.engine.session.UpdateSessions` (pause, continue and every weight call), shape
+the answer. The state machine is :data:`weightsync.engine.states.TRANSITIONS`.
 
 Status codes and error bodies follow sglang (``entrypoints/http_server.py``):
 
@@ -29,7 +30,7 @@ Access: with a token (:attr:`ServerContext.token`) every route but ``/health`` n
 
 Typical usage::
 
-    app = build_app(ServerContext(scheduler=sched, tokenizer=tok, server_info={...}, par=par))
+    app = build_app(ServerContext(sessions=sessions, tokenizer=tok, server_info={...}, par=par))
     uvicorn.run(app, host="127.0.0.1", port=30000)
 """
 
@@ -73,14 +74,9 @@ from weightsync.engine.io_struct import (
     to_gen_requests,
     to_response,
 )
-from weightsync.engine.scheduler import (
-    Conflict,
-    EngineTimeout,
-    GroupError,
-    QueueFull,
-    Scheduler,
-    Unavailable,
-)
+from weightsync.engine.scheduler import EngineTimeout, QueueFull, Unavailable
+from weightsync.engine.session import GroupError, UpdateSessions
+from weightsync.engine.states import Conflict
 from weightsync.engine.tokenizer import Tokenizer
 from weightsync.layout.sglang import engine_coords
 from weightsync.models.parallel import RolloutParallel
@@ -130,7 +126,8 @@ B = TypeVar("B", bound=RequestBody)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServerContext:
-    scheduler: Scheduler
+    sessions: UpdateSessions
+    """The engine's update sessions (its state; ``sessions.scheduler`` generates)."""
     tokenizer: Tokenizer
     par: RolloutParallel
     server_info: dict[str, Any]
@@ -289,10 +286,10 @@ def _rank_param(request: Request, par: RolloutParallel) -> int:
 ERROR_STATUS: tuple[tuple[type[Exception], int], ...] = (
     (ValueError, 400),
     (TooLarge, 413),
-    (Conflict, 409),
-    (QueueFull, 429),
-    (Unavailable, 503),
-    (EngineTimeout, 504),
+    (Conflict, Conflict.http_status),
+    (QueueFull, QueueFull.http_status),
+    (Unavailable, Unavailable.http_status),
+    (EngineTimeout, EngineTimeout.http_status),
 )
 """Refusals by exception type (the most specific class wins) and their HTTP status."""
 
@@ -307,7 +304,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI app serving one engine (see the module docstring)."""
     docs = {} if ctx.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="weightsync rollout engine", **docs)
-    sched, tok = ctx.scheduler, ctx.tokenizer
+    sessions, tok = ctx.sessions, ctx.tokenizer
+    sched = sessions.scheduler
     limit = ctx.max_request_bytes
 
     def control(status: int, message: str) -> JSONResponse:
@@ -389,7 +387,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
             for r, f in zip(reqs, futures):
                 if f.cancelled() or not f.done():  # a queued one was cancelled by the timeout: drop it too
                     await run(sched.abort_request, r.rid, False, "deadline")
-            state = sched.status()["state"]
+            state = sessions.status()["state"]
             raise Unavailable(f"request not answered within {ctx.request_timeout_s:.0f} s (the engine is {state}); "
                               f"it was aborted") from None
         failed = [res.finish_reason["message"] for res, _ in done
@@ -405,7 +403,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok, state = sched.liveness()
+        ok, state = sessions.liveness()
         return JSONResponse(state, status_code=200 if ok else 503)
 
     @app.get("/health_generate")
@@ -418,12 +416,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/pause_generation")
     async def pause(request: Request) -> dict[str, Any]:
         body = await body_of(request, PauseGenerationReqInput)
-        return await run(sched.pause, body.mode)
+        return await run(sessions.pause, body.mode)
 
     @app.post("/continue_generation")
     async def resume(request: Request) -> dict[str, Any]:
         await body_of(request, ContinueGenerationReqInput)
-        return await run(sched.resume)
+        return await run(sessions.resume)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> Response:
@@ -447,7 +445,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        return {**ctx.server_info, "internal_states": [sched.status()]}
+        return {**ctx.server_info, "internal_states": [sessions.status()]}
 
     @app.get("/model_info")
     @app.get("/get_model_info")
@@ -459,7 +457,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
             "served_model_name": info.get("served_model_name"),
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": sched.weight_version,
+            "weight_version": sessions.weight_version,
             "load_format": info.get("load_format"),
             "reasoning_parser": None,
             "tool_call_parser": None,
@@ -471,7 +469,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/get_weight_version")
     async def get_version() -> dict[str, Any]:
-        return {"weight_version": sched.weight_version}
+        return {"weight_version": sessions.weight_version}
 
     @app.get("/parallelism_config")
     async def parallelism(request: Request) -> dict[str, int]:
@@ -481,7 +479,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/get_remote_instance_transfer_engine_info")
     async def transfer_info(request: Request) -> dict[str, Any]:
         rank = _rank_param(request, ctx.par)
-        session_id, weights, descriptor = sched.transfer_infos[rank]
+        session_id, weights, descriptor = sessions.transfer_infos[rank]
         out: dict[str, Any] = {"rank": rank, "remote_instance_transfer_engine_info": [session_id, weights]}
         if ctx.publish_descriptor:
             out["transport_descriptor"] = descriptor
@@ -492,22 +490,22 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/begin_weight_update")
     async def begin_update(request: Request) -> dict[str, Any]:
         await body_of(request, BeginWeightUpdateReqInput)
-        return await run(sched.begin_update)
+        return await run(sessions.begin)
 
     @app.post("/end_weight_update")
     async def end_update(request: Request) -> dict[str, Any]:
         await body_of(request, EndWeightUpdateReqInput)
-        return await run(sched.end_update, session_of(request))
+        return await run(sessions.end, session_of(request))
 
     @app.post("/abort_weight_update")
     async def abort_update(request: Request) -> dict[str, Any]:
         await body_of(request, AbortWeightUpdateReqInput)
-        return await run(sched.abort_update, session_of(request))
+        return await run(sessions.abort, session_of(request))
 
     @app.post("/update_weight_version")
     async def update_version(request: Request) -> dict[str, Any]:
         body = await body_of(request, UpdateWeightVersionReqInput)
-        effect = await run(sched.set_weight_version, body.new_version, body.abort_all_requests, session_of(request))
+        effect = await run(sessions.set_weight_version, body.new_version, body.abort_all_requests, session_of(request))
         return {
             "success": True,
             "message": f"Weight version updated to {body.new_version}",
@@ -519,14 +517,14 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def init_group(request: Request) -> dict[str, Any]:
         body = await body_of(request, InitWeightsUpdateGroupReqInput)
         args = body.model_dump(exclude={"rid", "http_worker_ipc"})
-        return await run(lambda: sched.init_group(**args))
+        return await run(lambda: sessions.init_group(**args))
 
     @app.post("/update_weights_from_distributed")
     async def update_distributed(request: Request) -> dict[str, Any]:
         body = await body_of(request, UpdateWeightsFromDistributedReqInput)
         body.refuse_unsupported()
         return await run(
-            lambda: sched.update_from_distributed(
+            lambda: sessions.update_from_distributed(
                 names=body.names,
                 dtypes=body.dtypes,
                 shapes=body.shapes,
@@ -540,19 +538,19 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def update_tensor(request: Request) -> dict[str, Any]:
         body = await body_of(request, UpdateWeightsFromTensorReqInput)
         return await run(
-            sched.update_from_tensor, body.serialized_named_tensors, body.load_format, body.weight_version,
+            sessions.update_from_tensor, body.serialized_named_tensors, body.load_format, body.weight_version,
             session_of(request),
         )
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(request: Request) -> dict[str, Any]:
         body = await body_of(request, DestroyWeightsUpdateGroupReqInput)
-        return await run(sched.destroy_group, body.group_name)
+        return await run(sessions.destroy_group, body.group_name)
 
     @app.post("/update_weights_from_disk")
     async def update_disk(request: Request) -> dict[str, Any]:
         body = await body_of(request, UpdateWeightFromDiskReqInput)
-        return await run(sched.update_from_disk, body.model_path, body.weight_version, session_of(request))
+        return await run(sessions.update_from_disk, body.model_path, body.weight_version, session_of(request))
 
     @app.api_route("/weights_checker", methods=["GET", "POST"])
     async def weights_checker(request: Request) -> JSONResponse:
@@ -560,7 +558,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if body.rank is not None and not 0 <= body.rank < ctx.par.tp:
             raise ValueError(f"rank {body.rank} is outside the engine's ranks [0, {ctx.par.tp})")
         skip = tuple(body.skip_tensor_list or ())
-        per_rank = await run(sched.check_weights, body.action, body.seed, body.allow_quant_error, skip)
+        per_rank = await run(sessions.check_weights, body.action, body.seed, body.allow_quant_error, skip)
         return checker_response(body.action, per_rank, body.rank)
 
     return app

@@ -159,20 +159,20 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     from weightsync.engine.control import Driver, Op
     from weightsync.engine.http_api import ServerContext, build_app
     from weightsync.engine.scheduler import Scheduler
+    from weightsync.engine.session import UpdateSessions
     from weightsync.engine.tokenizer import load_tokenizer
     from weightsync.models.checkpoint import hf_config_dict
 
     driver = Driver(engine)
     sched = Scheduler(
         driver,
-        transfer_infos=driver.run(Op.TRANSFER_INFO),
         max_batch_size=cfg.max_batch_size,
-        weight_version=cfg.weight_version,
         max_queued_requests=cfg.max_queued_requests,
         stop_timeout_s=cfg.collective_timeout_s + 60.0,
         job_timeout_s=max(3 * cfg.collective_timeout_s, cfg.group_timeout_s) + 60.0,
-        group_timeout_s=cfg.group_timeout_s,
     )
+    sessions = UpdateSessions(sched, transfer_infos=driver.run(Op.TRANSFER_INFO), weight_version=cfg.weight_version,
+                              group_timeout_s=cfg.group_timeout_s)
     tokenizer = load_tokenizer(engine.spec.vocab_size, cfg.checkpoint)
     engine.eos_token_ids = tokenizer.eos_token_ids
     engine.decode = tokenizer.decode
@@ -189,7 +189,7 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
             uvicorn.Config(
                 build_app(
                     ServerContext(
-                        scheduler=sched,
+                        sessions=sessions,
                         tokenizer=tokenizer,
                         par=par,
                         server_info=info,

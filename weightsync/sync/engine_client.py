@@ -8,22 +8,22 @@ endpoint with sglang's request shape. Errors carry the endpoint and the server's
 it: ``UpdaterConfig.token`` for an updater's clients, the run's token for the launcher's); the
 client reads no environment.
 
-**An update as a transaction** (the built-in engine; docs/engine.md "States")::
+**An update as a transaction** (the built-in engine; what it does with each call is the table
+in docs/engine.md, "States")::
 
     eng.pause_generation()
     eng.begin_weight_update()          # opens a session; its id is remembered and sent with the
                                        # session's calls (X-Weightsync-Session)
     ...write...                        # p2p, update_weights_from_distributed / _tensor (no
                                        # weight_version: nothing is published by end)
-    eng.end_weight_update()            # post-load; the engine stays paused and dirty ("ended")
+    eng.end_weight_update()
     eng.weights_checker("checksum")    # verify what every rank holds
-    eng.update_weight_version(v)       # the publication: clean at version v
+    eng.update_weight_version(v)       # the publication
     eng.continue_generation()
 
-On a failure: :meth:`EngineClient.abort_weight_update` (paused, dirty at the old version:
-``/generate`` answers 503) or leave it; a later session recovers the engine (begin works on a
-paused dirty engine, and on one left "ended"). :meth:`EngineClient.engine_state` reads the state,
-``weights_dirty``, the published ``weight_version`` and the open session.
+On a failure: :meth:`EngineClient.abort_weight_update`, or leave it; a later session recovers
+the engine. :meth:`EngineClient.engine_state` reads the state, ``weights_dirty``, the published
+``weight_version`` and the open session.
 
 Typical usage::
 

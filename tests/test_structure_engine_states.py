@@ -1,0 +1,170 @@
+"""Contract: the engine's state machine is written once, as the table
+:data:`weightsync.engine.states.TRANSITIONS`, and the code, the table and the docs agree.
+
+* docs/engine.md, "States", holds exactly :func:`~weightsync.engine.states.states_markdown`'s
+  rendering of the table (regenerate the block between its markers with
+  ``python -c "from weightsync.engine.states import states_markdown; print(states_markdown(), end='')"``);
+* every state answers every event under every combination of the conditions (no hole);
+* the code follows the table: :class:`~weightsync.engine.session.UpdateSessions`, driven through
+  each event from each state (over a fake driver: no model), refuses exactly where a rule refuses
+  (with the rule's exception and HTTP status) and otherwise ends in the rule's next state; the
+  state is assigned nowhere but ``UpdateSessions._enter`` (and its initial value);
+* no other module or doc draws the state machine again (an ASCII ``state --event--> state``).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import re
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import weightsync
+from weightsync.engine.scheduler import Scheduler
+from weightsync.engine.session import Session, UpdateSessions
+from weightsync.engine.states import TRANSITIONS, Event, Facts, State, decide, states_markdown
+from weightsync.models import get_model
+
+ROOT = Path(weightsync.__file__).parent
+DOC = ROOT.parent / "docs" / "engine.md"
+BEGIN_MARK = "<!-- states: generated from weightsync/engine/states.py (TRANSITIONS) -->"
+END_MARK = "<!-- states: end -->"
+
+
+def test_the_docs_table_is_the_code_table():
+    text = DOC.read_text()
+    assert BEGIN_MARK in text, f"docs/engine.md lacks the marker {BEGIN_MARK}"
+    assert END_MARK in text, f"docs/engine.md lacks the marker {END_MARK}"
+    block = text[text.index(BEGIN_MARK) + len(BEGIN_MARK):text.index(END_MARK)].strip("\n") + "\n"
+    assert block == states_markdown(), ("docs/engine.md's state table differs from TRANSITIONS; the table as the "
+                                        "code has it:\n" + states_markdown())
+
+
+def _cases() -> Iterator[tuple[State, Event, Facts]]:
+    """Every (state, event, facts) the engine can meet: a failed begin only happens in the state
+    its begin entered (updating); every call can come in every state."""
+    for state, event in itertools.product(State, Event):
+        if event is Event.BEGIN_FAILED and state is not State.UPDATING:
+            continue
+        for values in itertools.product((False, True), repeat=6):
+            yield state, event, Facts(*values)
+
+
+def test_every_state_answers_every_event():
+    for state, event, facts in _cases():
+        decide(state, event, facts)  # LookupError on a hole
+
+
+def test_every_rule_can_apply():
+    """No row is shadowed by an earlier one of the same event (each is the first match somewhere)."""
+    used = {id(decide(s, e, f)) for s, e, f in _cases()}
+    assert [r for r in TRANSITIONS if id(r) not in used] == []
+
+
+class _FakeDriver:
+    """Rank 0's driver without a model: every op answers at once (``fail``: this op raises)."""
+
+    world = 1
+
+    def __init__(self, fail: str = "") -> None:
+        self.engine = SimpleNamespace(spec=get_model("Qwen3-4B", "tiny"), broadcast=None, p2p=None)
+        self.fail = fail
+
+    def run(self, op: str, **_: Any) -> list[Any]:
+        if op == self.fail:
+            raise RuntimeError(f"{op} failed on a rank (injected)")
+        return [0.0]
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., UpdateSessions]]:
+    started: list[Scheduler] = []
+
+    def build(state: State, *, dirty: bool, wrote: bool, version: bool, p2p: bool, fail: str = "") -> UpdateSessions:
+        sched = Scheduler(_FakeDriver(fail), job_timeout_s=30, stop_timeout_s=30)
+        infos = [("127.0.0.1:1" if p2p else "none://0", {}, None)]
+        sessions = UpdateSessions(sched, transfer_infos=infos, weight_version="v0", group_timeout_s=5)
+        sched.start()
+        started.append(sched)
+        sessions.state, sessions.dirty = state, dirty  # the test's set-up: any (state, facts)
+        if state in (State.UPDATING, State.ENDED):
+            sessions.session = Session(id="s0", wrote=wrote, version="v1" if version else None)
+        return sessions
+
+    yield build
+    for sched in started:
+        sched.stop()
+
+
+CALLS: dict[Event, Callable[[UpdateSessions], Any]] = {
+    Event.GENERATE: lambda s: s.admit(),
+    Event.PAUSE: lambda s: s.pause("retract"),
+    Event.CONTINUE: lambda s: s.resume(),
+    Event.BEGIN: lambda s: s.begin(),
+    Event.BEGIN_FAILED: lambda s: s.begin(),
+    Event.WRITE: lambda s: s.update_from_tensor([""], None),
+    Event.RESET: lambda s: s.check_weights("reset_tensors"),
+    Event.END: lambda s: s.end(),
+    Event.VERSION: lambda s: s.set_weight_version("v2"),
+    Event.ABORT: lambda s: s.abort(),
+}
+
+
+@pytest.mark.parametrize("event", list(Event), ids=str)
+def test_the_code_follows_the_table(make: Callable[..., UpdateSessions], event: Event):
+    for state, dirty, wrote, version, p2p in itertools.product(State, *[(False, True)] * 4):
+        if event is Event.BEGIN_FAILED and state is not State.PAUSED:
+            continue  # the outcome of a begin, reached from a state whose begin gets that far
+        facts = Facts(dirty=dirty, generating=False, running=False, wrote=wrote and state in (State.UPDATING,
+                      State.ENDED), writable=p2p, version_given=version and state in (State.UPDATING, State.ENDED))
+        sessions = make(state, dirty=dirty, wrote=wrote, version=version, p2p=p2p,
+                        fail="begin_update" if event is Event.BEGIN_FAILED else "")
+        where = f"{event} from {state} ({facts})"
+        if event is Event.BEGIN_FAILED:
+            rule = decide(State.UPDATING, event, facts)
+            with pytest.raises(RuntimeError, match="injected"):
+                CALLS[event](sessions)
+        else:
+            rule = decide(state, event, facts)
+            if rule.refuse is not None:
+                with pytest.raises(rule.refuse) as err, sessions.lock if event is Event.GENERATE else nullcontext():
+                    CALLS[event](sessions)
+                assert err.value.http_status == rule.refuse.http_status, where  # type: ignore[attr-defined]
+                assert sessions.state is state, where
+                continue
+            with sessions.lock if event is Event.GENERATE else nullcontext():
+                CALLS[event](sessions)
+        assert sessions.state is (rule.then or state), where
+
+
+def test_the_state_changes_only_through_a_rule():
+    assigned = []
+    for path in sorted((ROOT / "engine").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                for sub in ast.walk(node):
+                    targets = sub.targets if isinstance(sub, ast.Assign) else []
+                    for t in targets:
+                        for e in ast.walk(t):
+                            if isinstance(e, ast.Attribute) and e.attr == "state" and isinstance(e.value, ast.Name) \
+                                    and e.value.id == "self":
+                                assigned.append(f"{path.name}:{node.name}")
+    assert sorted(assigned) == ["session.py:__init__", "session.py:_enter"], assigned
+
+
+ARROW = re.compile(r"\b(serving|paused|updating|ended)\b[^\n]{0,20}--\S+-->", re.IGNORECASE)
+
+
+def test_the_state_machine_is_drawn_nowhere_else():
+    places = [*ROOT.rglob("*.py"), *(ROOT.parent / "docs").glob("*.md"), ROOT.parent / "README.md"]
+    drawn = [f"{p.relative_to(ROOT.parent)}: {m.group(0)!r}" for p in places for m in ARROW.finditer(p.read_text())]
+    assert drawn == [], "the state machine is the table in weightsync/engine/states.py:\n" + "\n".join(drawn)

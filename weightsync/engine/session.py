@@ -1,0 +1,467 @@
+"""The engine's weight-update sessions: begin / write / end / publish / abort, pause / continue, reset.
+
+:class:`UpdateSessions` holds the engine's weight state -- its :class:`~weightsync.engine.states.State`,
+*dirty* (the served weights may not be the published version; dirty weights are never served), the
+published ``weight_version``, the open :class:`Session` (its id, whether it wrote, the version it
+publishes) -- with the parameter tables senders write to (``transfer_infos``) and the
+weight-update groups. Every transition and every refusal is decided by the state machine's table,
+:data:`weightsync.engine.states.TRANSITIONS` (docs/engine.md, "States", renders it): a method
+looks its event up (:meth:`UpdateSessions._decide`), does its work, and enters the rule's next
+state (:meth:`UpdateSessions._enter`, the one place the state changes).
+
+Generation is the :class:`~weightsync.engine.scheduler.Scheduler`'s: this object is its gate (what
+may queue, when a batch may start) and stops it for a pause; every driver call of a session runs
+as a scheduler job, between batches. A new way to update (a shadow copy written while generation
+goes on, published by a flip at a batch boundary) is new rows in the table and a method here that
+looks them up, as :meth:`UpdateSessions.begin` does for ``begin_weight_update``.
+
+Typical usage (rank 0 of ``weightsync serve``)::
+
+    sched = Scheduler(driver)
+    sessions = UpdateSessions(sched, transfer_infos=driver.run(Op.TRANSFER_INFO), weight_version="0")
+    sched.start()
+    sessions.pause(); sessions.begin(); ...writes...; sessions.end(); sessions.set_weight_version("1")
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.engine.control import Op
+from weightsync.engine.loader import validate_checkpoint
+from weightsync.engine.scheduler import Scheduler, Unavailable
+from weightsync.engine.states import Conflict, Event, Facts, Rule, State, When, decide
+from weightsync.models.checkpoint import HFCheckpoint
+from weightsync.sync.broadcast_receiver import check_update_request
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+DEFAULT_GROUP_TIMEOUT_S = 600.0
+GROUP_POLL_S = 0.05
+
+
+class GroupError(RuntimeError):
+    """Joining a weight-update group failed (HTTP 400 with sglang's message)."""
+
+
+@dataclass(slots=True)
+class Session:
+    """One update session (``begin_weight_update`` ... publication or abort)."""
+
+    id: str
+    wrote: bool = False
+    """An update call or ``reset_tensors`` wrote during it."""
+    version: str | None = None
+    """The version ``end_weight_update`` publishes (given inside the session)."""
+
+
+class UpdateSessions:
+    """The engine's weight state and its update sessions (module docstring); the scheduler's gate.
+
+    Every method that changes the state holds the scheduler's lock while it decides and enters a
+    rule; driver work (begin, end, writes, the checker, groups) runs as a scheduler job.
+    """
+
+    def __init__(self, scheduler: Scheduler, *, transfer_infos: list[Any], weight_version: str = "default",
+                 group_timeout_s: float | None = None) -> None:
+        """Args:
+        scheduler: rank 0's scheduler (this object becomes its gate).
+        transfer_infos: every rank's ``(session id, weights, descriptor)``: what senders write to.
+        weight_version: the version published at start.
+        group_timeout_s: how long joining a weight-update group may take (default: the engine's
+            receivers' own timeout).
+        """
+        self.scheduler = scheduler
+        self.driver = scheduler.driver
+        self.spec = scheduler.spec
+        self.lock = scheduler.lock
+        self.transfer_infos = transfer_infos
+        self.weight_version = weight_version
+        self.group_timeout_s = (group_timeout_s if group_timeout_s is not None
+                                else getattr(self.driver.engine.broadcast, "timeout_s", DEFAULT_GROUP_TIMEOUT_S))
+        self.p2p = any(not str(info[0]).startswith("none://") for info in transfer_infos)
+        """Senders can write this engine's memory directly (a p2p transport is registered)."""
+        self.staged = bool(getattr(self.driver.engine.p2p, "staged", False))
+        """p2p writes land in an inbox that only ``end_weight_update`` copies in."""
+        self.state = State.SERVING
+        self.dirty = False
+        self.session: Session | None = None
+        self._groups: set[str] = set()
+        self._joining: set[str] = set()
+        scheduler.attach(self)
+
+    # ------------------------------------------------------------------ the table
+
+    def _facts(self) -> Facts:
+        s = self.session
+        return Facts(dirty=self.dirty, generating=self.scheduler.generating(), running=self.scheduler.running,
+                     wrote=s is not None and s.wrote, writable=self.p2p,
+                     version_given=s is not None and s.version is not None)
+
+    def _decide(self, event: Event, what: str = "") -> Rule:
+        """The rule for ``event`` now (caller holds the lock).
+
+        Raises:
+            The rule's refusal (Conflict, OutsideSession, Unavailable), with its message.
+        """
+        rule = decide(self.state, event, self._facts())
+        if rule.refuse is not None:
+            raise rule.refuse(rule.why.format(version=self.weight_version, state=self.state.value, what=what))
+        return rule
+
+    def _enter(self, rule: Rule) -> None:
+        """Take ``rule``'s next state (the only place the state changes; caller holds the lock)."""
+        if rule.then is not None:
+            self.state = rule.then
+        self.lock.notify_all()
+
+    def _check_session(self, session_id: str | None) -> None:
+        """A call that names a session must name the current one (caller holds the lock)."""
+        if session_id is not None and (self.session is None or self.session.id != session_id):
+            current = self.session.id if self.session is not None else "none"
+            raise Conflict(f"update session {session_id!r} is not this engine's current session ({current}): "
+                           f"another update began since")
+
+    def _fail_queued_if_refused(self) -> None:
+        """Queued requests are answered as a new one would be: refused where the ``generate``
+        rows refuse (dirty weights and no update in progress: 503; lock held)."""
+        try:
+            self._decide(Event.GENERATE)
+        except Unavailable as exc:
+            self.scheduler.fail_queued(exc)
+
+    # ------------------------------------------------------------------ the scheduler's gate
+
+    def may_generate(self) -> bool:
+        """A batch may start: serving, clean weights (the ``generate`` rows that run)."""
+        return self.state is State.SERVING and not self.dirty
+
+    def admit(self) -> None:
+        """A new ``/generate`` request may queue (the ``generate`` rows; lock held).
+
+        Raises:
+            Unavailable: dirty weights and no update in progress.
+        """
+        self._decide(Event.GENERATE)
+
+    # ------------------------------------------------------------------ pause, continue
+
+    def pause(self, mode: str = "abort") -> dict[str, Any]:
+        """``/pause_generation``: stop serving; returns once no batch runs (the scheduler's module
+        docstring says what each mode does to the requests)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        with self.lock:
+            self._enter(self._decide(Event.PAUSE))
+        self.scheduler.stop_generation("Aborted", retract=mode != "abort")
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def resume(self) -> dict[str, Any]:
+        """``/continue_generation``."""
+        with self.lock:
+            self._enter(self._decide(Event.CONTINUE))
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    # ------------------------------------------------------------------ a session
+
+    def begin(self) -> dict[str, Any]:
+        """``/begin_weight_update``: open a session on a paused engine; returns its id.
+
+        Raises:
+            Conflict: the engine is serving (pause first) or a session is open.
+        """
+        with self.lock:
+            rule = self._decide(Event.BEGIN)
+            previous = self.session
+            self.session = Session(id=secrets.token_hex(8))
+            self._enter(rule)
+            if previous is not None:
+                logger.warning("update session %s ended without publishing; session %s takes over",
+                               previous.id, self.session.id)
+        try:
+            self.scheduler.call(lambda: self.driver.run(Op.BEGIN_UPDATE), "begin_weight_update")
+        except BaseException:
+            with self.lock:
+                if self.state is State.UPDATING:  # (unless an abort closed the session meanwhile)
+                    self.session = None
+                    self._enter(self._decide(Event.BEGIN_FAILED))
+            raise
+        with self.lock:
+            if self.p2p and not self.staged:
+                self.dirty = True  # senders may write the served memory from now on
+            return {"success": True, "message": "Success", "session_id": self.session.id}
+
+    def end(self, session_id: str | None = None) -> dict[str, Any]:
+        """``/end_weight_update``: commit a staged inbox, post-load derivations on every rank, then
+        publish the session's version (when it has one and wrote) or wait for the publication.
+
+        Raises:
+            Conflict: no session is open (or another one is).
+        """
+        with self.lock:
+            self._check_session(session_id)
+            self._decide(Event.END)
+        per_rank = self.scheduler.call(lambda: self.driver.run(Op.END_UPDATE), "end_weight_update")
+        with self.lock:
+            if self.staged:
+                self.dirty = True  # the inbox is served now: it may hold anything a sender wrote
+            rule = self._decide(Event.END)
+            session = self.session
+            assert session is not None
+            if rule.when is When.NOTHING_WRITTEN:
+                # reset_tensors -> begin -> end serves nothing: dirty weights stay dirty
+                self.session = None
+                message = "Success. Nothing was written." + (" The weights stay dirty." if self.dirty else "")
+            elif rule.when is When.VERSION_GIVEN:
+                self._publish(session.version)  # type: ignore[arg-type]
+                message = f"Success. Weight version {session.version} published."
+            else:
+                self.dirty = True
+                message = ("Success. The weights are not published yet: verify them, then call "
+                           "/update_weight_version (or /abort_weight_update).")
+            self._enter(rule)
+            return {"success": True, "message": message, "post_load_seconds": max(per_rank),
+                    "per_rank_post_load_seconds": per_rank, "state": self.state.value, "weights_dirty": self.dirty}
+
+    def _publish(self, version: str) -> None:
+        """The session's weights become the served ones at ``version`` (caller holds the lock)."""
+        self.weight_version = version
+        self.dirty = False
+        self.session = None
+
+    def abort(self, session_id: str | None = None) -> dict[str, Any]:
+        """``/abort_weight_update`` (an extension): end the session without publishing; the engine
+        stays paused at its old version, dirty if anything reached the served weights.
+
+        Raises:
+            Conflict: no session to abort (or another one is current).
+        """
+        with self.lock:
+            self._check_session(session_id)
+            rule = self._decide(Event.ABORT)
+            aborted = self.session.id if self.session is not None else "none"
+            self.session = None
+            self._enter(rule)
+            self._fail_queued_if_refused()
+            return {"success": True, "message": f"Update session {aborted} aborted; weight version "
+                                                f"{self.weight_version!r} (dirty: {self.dirty}).",
+                    "weights_dirty": self.dirty, "weight_version": self.weight_version}
+
+    def set_weight_version(self, version: str, abort_all_requests: bool = False,
+                           session_id: str | None = None) -> str:
+        """``/update_weight_version``: the ``update_weight_version`` rows. Returns the effect:
+        ``pending``, ``published`` or ``labelled``.
+
+        Raises:
+            Conflict: dirty weights outside an update (a label cannot clean them).
+        """
+        with self.lock:  # refused calls abort nothing
+            self._check_session(session_id)
+            self._decide(Event.VERSION)
+        if abort_all_requests:
+            self.scheduler.stop_generation("Aborted", retract=False)
+        with self.lock:
+            self._check_session(session_id)
+            rule = self._decide(Event.VERSION)
+            if self.state is State.UPDATING:
+                assert self.session is not None
+                self.session.version = version
+                effect = "pending"
+            elif self.state is State.ENDED:
+                self._publish(version)
+                effect = "published"
+            else:
+                self.weight_version = version
+                effect = "labelled"
+            self._enter(rule)
+            return effect
+
+    # ------------------------------------------------------------------ writes
+
+    def _require_session(self, what: str, session_id: str | None) -> Session:
+        """The open session a write belongs to (caller holds the lock).
+
+        Raises:
+            OutsideSession: no session is open (the ``update_weights_from_*`` rows).
+        """
+        self._check_session(session_id)
+        self._decide(Event.WRITE, what)
+        assert self.session is not None
+        return self.session
+
+    def _run_update(self, what: str, job: Callable[[], list[Any]], weight_version: str | None, message: str,
+                    session_id: str | None) -> dict[str, Any]:
+        """Run an update call inside the open session (it makes the weights dirty unless staged)."""
+        with self.lock:
+            session = self._require_session(what, session_id)
+            session.wrote = True
+            if not self.staged:
+                self.dirty = True
+        per_rank = self.scheduler.call(job, what)
+        out: dict[str, Any] = {"success": True, "per_rank": per_rank}
+        if weight_version is not None:
+            with self.lock:
+                session.version = weight_version
+            message += f" Weight version updated to {weight_version}."
+        out["message"] = message
+        return out
+
+    def update_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+        session_id: str | None = None,
+    ) -> dict[str, Any]:
+        """``/update_weights_from_distributed``: receive full tensors from the trainer's group."""
+        with self.lock:
+            self._require_session("update_weights_from_distributed", session_id)
+        check_update_request(self.spec, names, dtypes, shapes)
+        if group_name not in self._groups:
+            raise ValueError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+        return self._run_update(
+            "update_weights_from_distributed",
+            lambda: self.driver.run(
+                Op.UPDATE_FROM_DISTRIBUTED, names=names, dtypes=dtypes, shapes=shapes, group_name=group_name
+            ),
+            weight_version,
+            "Succeeded to update parameter online.",
+            session_id,
+        )
+
+    def update_from_tensor(
+        self, entries: list[str], load_format: str | None, weight_version: str | None = None,
+        session_id: str | None = None,
+    ) -> dict[str, Any]:
+        """``/update_weights_from_tensor``: every rank decodes and writes its own entry."""
+        with self.lock:
+            self._require_session("update_weights_from_tensor", session_id)
+        ranks = self.driver.world
+        if len(entries) != ranks:
+            raise ValueError(
+                f"serialized_named_tensors has {len(entries)} entries; this engine has {ranks} TP ranks (one each)"
+            )
+        return self._run_update(
+            "update_weights_from_tensor",
+            lambda: self.driver.run(Op.UPDATE_FROM_TENSOR, entries=entries, load_format=load_format),
+            weight_version,
+            "Success",
+            session_id,
+        )
+
+    def update_from_disk(self, path: str, weight_version: str | None = None,
+                         session_id: str | None = None) -> dict[str, Any]:
+        """``/update_weights_from_disk``: reload every tensor from an HF checkpoint (validated first)."""
+        with self.lock:
+            self._require_session("update_weights_from_disk", session_id)
+        with HFCheckpoint(path) as ckpt:
+            validate_checkpoint(self.spec, ckpt)
+        return self._run_update(
+            "update_weights_from_disk",
+            lambda: self.driver.run(Op.UPDATE_FROM_DISK, path=path),
+            weight_version,
+            "Succeeded to update model weights.",
+            session_id,
+        )
+
+    def init_group(self, **kwargs: Any) -> dict[str, Any]:
+        """``/init_weights_update_group``: every rank joins in the background (the engine generates
+        meanwhile) and this call waits at most ``group_timeout_s`` for all of them.
+
+        Raises:
+            ValueError: the group exists.
+            EngineTimeout: the rendezvous did not complete in time (names the master).
+            RuntimeError: a rank failed to join (its message).
+        """
+        name = kwargs["group_name"]
+        where = f"{kwargs['master_address']}:{kwargs['master_port']}"
+        with self.lock:
+            if name in self._groups or name in self._joining:
+                raise ValueError(f"weight update group {name!r} exists; destroy it first")
+            self._joining.add(name)
+        try:
+            self.scheduler.call(lambda: self.driver.run(Op.INIT_GROUP_START, **kwargs), "init_weights_update_group")
+            deadline = time.monotonic() + self.group_timeout_s + 5.0  # the ranks' own deadline comes first
+            while True:
+                statuses = self.scheduler.call(lambda: self.driver.run(Op.GROUP_STATUS, group_name=name),
+                                               "init_weights_update_group")
+                failed = [s for s in statuses if s not in ("ok", "pending")]
+                if failed or all(s == "ok" for s in statuses):
+                    break
+                if time.monotonic() >= deadline:
+                    failed = [f"the rendezvous with the master at {where} did not complete within "
+                              f"{self.group_timeout_s:.0f} s"]
+                    break
+                time.sleep(GROUP_POLL_S)
+            if failed:
+                self.scheduler.call(lambda: self.driver.run(Op.ABANDON_GROUP, group_name=name),
+                                    "init_weights_update_group")
+                raise GroupError("; ".join(failed))
+        finally:
+            with self.lock:
+                self._joining.discard(name)
+        with self.lock:
+            self._groups.add(name)
+        return {"success": True, "message": "Succeeded to initialize custom process group.", "per_rank": statuses}
+
+    def destroy_group(self, group_name: str) -> dict[str, Any]:
+        """``/destroy_weights_update_group``."""
+        if group_name not in self._groups:
+            raise ValueError("The group to be destroyed does not exist.")
+        msgs = self.scheduler.call(lambda: self.driver.run(Op.DESTROY_GROUP, group_name=group_name),
+                                   "destroy_weights_update_group")
+        self._groups.discard(group_name)
+        return {"success": True, "message": "Succeeded to destroy custom process group.", "per_rank": msgs}
+
+    def check_weights(
+        self, action: str, seed: int = 0, allow_quant_error: bool = False, skip: tuple[str, ...] = ()
+    ) -> list[Any]:
+        """``/weights_checker``: per-rank results of ``action`` (``reset_tensors``: the
+        ``weights_checker reset_tensors`` rows -- dirty, and a serving engine pauses)."""
+        if action == "reset_tensors":
+            with self.lock:
+                rule = self._decide(Event.RESET)
+                self.dirty = True
+                if self.state is State.UPDATING:
+                    assert self.session is not None
+                    self.session.wrote = True
+                self._enter(rule)
+                self._fail_queued_if_refused()
+        return self.scheduler.call(
+            lambda: self.driver.run(
+                Op.CHECK_WEIGHTS, action=action, seed=seed, allow_quant_error=allow_quant_error, skip=skip
+            ),
+            f"weights_checker {action}",
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def status(self) -> dict[str, Any]:
+        """``/server_info``'s ``internal_states``: the state, dirty, the published and pending
+        versions, the session, and the scheduler's queue and fault."""
+        with self.lock:
+            return {
+                "state": self.state.value,
+                "weights_dirty": self.dirty,
+                "weight_version": self.weight_version,
+                "session_id": self.session.id if self.session is not None else None,
+                "pending_weight_version": self.session.version if self.session is not None else None,
+                **self.scheduler.status(),
+            }
+
+    def liveness(self) -> tuple[bool, dict[str, Any]]:
+        """``/health``: alive unless faulted or stopping (a paused or dirty engine is alive: it
+        answers and can be updated); with the state, dirty flag and published version."""
+        st = self.status()
+        ok = st["fault"] is None and not self.scheduler.stopped
+        return ok, {"status": "ok" if ok else "unhealthy", **({"reason": st["fault"]} if st["fault"] else {}),
+                    **{k: st[k] for k in ("state", "weights_dirty", "weight_version")}}
