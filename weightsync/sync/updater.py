@@ -436,7 +436,9 @@ class WeightUpdater:
         self._stale = True
         if self.rank == 0 and self.engines is not None:
             self.engines.abort_sessions(min(ABORT_WAIT_S, self.config.http_timeout_s))
-        _held(version, errors)
+        log.error("update to version %s failed, engines left paused and dirty: %s", version, "; ".join(errors))
+        raise UpdateError(f"update to version {version} failed; the engines stay paused and dirty at their old version "
+                          f"(nothing of this update is served; the next update recovers them): " + "; ".join(errors))
 
     def _mode(self, mode: str | Mode | None) -> Mode:
         modes = self.config.modes
@@ -448,14 +450,10 @@ class WeightUpdater:
     def _stats(self, version: str, mode: Mode, results: list[dict[str, Any]], ends: list[Any],
                times: dict[str, float], verify_s: float, verified: bool | None) -> UpdateStats:
         buckets = None if mode is Mode.P2P else len(self._buckets)
-        return UpdateStats.from_ranks(version=version, mode=mode, path=self._path(mode), results=results, ends=ends,
-                                      times=times, verify_s=verify_s, verified=verified,
+        path = "p2p" if mode is Mode.P2P else "tensor" if self.config.colocated else "group"
+        return UpdateStats.from_ranks(version=version, mode=mode, path=path, results=results, ends=ends, times=times,
+                                      verify_s=verify_s, verified=verified,
                                       num_receivers=self.inputs.rollout.world_size, broadcast_buckets=buckets)
-
-    def _path(self, mode: Mode) -> str:
-        if mode is Mode.P2P:
-            return "p2p"
-        return "tensor" if self.config.colocated else "group"
 
     def write(self, mode: str | Mode = Mode.P2P) -> dict[str, Any]:
         """Only the write phase of an update, on this rank (collective over the group for
@@ -590,17 +588,6 @@ def _engines(urls: Sequence[str], config: UpdaterConfig) -> Engines:
 
 ABORT_WAIT_S = 10.0
 """How long a failed attempt waits for the engines to acknowledge ``abort_weight_update``."""
-
-
-def _held(version: str, errors: Sequence[str]) -> None:
-    """The error of a failed update: the engines stay paused and dirty, the message names the cause.
-
-    Raises:
-        UpdateError: always.
-    """
-    log.error("update to version %s failed, engines left paused and dirty: %s", version, "; ".join(errors))
-    raise UpdateError(f"update to version {version} failed; the engines stay paused and dirty at their old version "
-                      f"(nothing of this update is served; the next update recovers them): " + "; ".join(errors))
 
 
 __all__ = ["UpdateError", "WeightUpdater"]
