@@ -27,9 +27,16 @@ from weightsync.transport.arena import Arena, arena_bytes
 from weightsync.transport.base import Transport
 from weightsync.transport.config import TransportConfig
 from weightsync.transport.handles import Peer, WriteBatch, WriteHandle, deadline_after
-from weightsync.transport.policy import AUTO, DeviceLike, choose_transport, resolve_kind
+from weightsync.transport.policy import AUTO, DeviceLike, choose_transport, resolve_kind, run_choices
 from weightsync.transport.records import HOST, PeerDescriptor, Region, Run
-from weightsync.transport.registry import TransportKind, available_transports, make_transport, transport_class
+from weightsync.transport.registry import (
+    TransportKind,
+    available_transports,
+    check_receiver,
+    make_transport,
+    receiver_kinds,
+    transport_class,
+)
 
 __all__ = [
     "AUTO",
@@ -47,9 +54,12 @@ __all__ = [
     "WriteHandle",
     "arena_bytes",
     "available_transports",
+    "check_receiver",
     "choose_transport",
     "deadline_after",
     "make_transport",
+    "receiver_kinds",
     "resolve_kind",
+    "run_choices",
     "transport_class",
 ]

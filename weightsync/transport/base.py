@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -56,6 +56,20 @@ class Transport(abc.ABC):
         t.wait(h, deadline_after(60.0))   # source memory must stay unchanged until this returns
         t.close()
 
+    Capabilities: what a backend can do is written as class attributes (below), and everything
+    outside this package asks them, never the kind's name, so that a backend is added here and in
+    one line of :mod:`~weightsync.transport.registry`. The receiver of an engine
+    (``weightsync.sync.p2p_receiver``) registers through any one-sided backend that reaches other
+    processes (:func:`~weightsync.transport.registry.receiver_kinds`), refuses one that cannot
+    serve its memory (``supports_host_memory`` / ``supports_device_memory``), binds its CUDA
+    device, and registers its served parameters in place unless ``dest_needs_staging`` (then it
+    registers an inbox that it copies in when an update session ends). An engine binds its own
+    address for a backend that ``opens_ports``, says ``sglang_native`` through sglang's fields,
+    and asks every backend to :meth:`remove_leftovers` of its dead ranks; a sender writes to an
+    engine that publishes only sglang's table with the ``sglang_native`` backend.
+    :meth:`config_options` builds the constructor arguments from a
+    :class:`~weightsync.transport.config.TransportConfig`.
+
     Rules: memory is registered once, never per step; every write's source lies in memory
     registered here and its destination in a region of the peer's descriptor, else
     ``ValueError`` naming the region; ``wait`` raises ``TimeoutError`` at the deadline, after
@@ -81,6 +95,53 @@ class Transport(abc.ABC):
     """:meth:`write` returns before the bytes have moved, so packing can overlap the wire."""
     uses_blocks: ClassVar[bool] = False
     """The backend copies :func:`strided_blocks` (2-D copies) rather than plain runs."""
+    dest_needs_staging: ClassVar[bool] = False
+    """Registered memory can be written by more than the peers given the descriptor (shm: any
+    process of the user that learns the segment's name from ``/dev/shm``), so a receiver registers
+    an inbox, not the memory it serves, and copies the inbox in when an update session ends."""
+    opens_ports: ClassVar[bool] = False
+    """The backend listens on network ports that peers connect to (mooncake: its RPC and data
+    ports, confined to the interface holding the process's address and guarded by no token); each
+    process passes the address peers reach it at (``TransportConfig.on_host``)."""
+    sglang_native: ClassVar[bool] = False
+    """The backend is sglang's own transfer engine (Mooncake): a peer that publishes only sglang's
+    ``[session_id, weights_info]`` is written with it, and an engine registered with it serves
+    sglang's remote-instance weight loader (one backend says so)."""
+
+    @classmethod
+    def serves(cls, device_type: str) -> bool:
+        """Whether the backend moves memory of ``device_type`` (``cpu``: host memory, else device memory)."""
+        return cls.supports_host_memory if device_type == "cpu" else cls.supports_device_memory
+
+    @classmethod
+    def remove_leftovers(cls, pids: set[int] | None = None) -> list[str]:
+        """Remove what registrations of processes that are gone left on this host (shm: segments in
+        ``/dev/shm``, which outlive a process killed before it closed its transport).
+
+        Args:
+            pids: the owners to clean up after (an engine's dead ranks), or None: every owner that
+                no longer exists.
+
+        Returns:
+            Names of what was removed (the default, for backends whose resources die with their
+            process: nothing).
+        """
+        return []
+
+    @classmethod
+    def config_options(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """The constructor arguments of this backend, taken from the fields of a
+        :class:`~weightsync.transport.config.TransportConfig` (``cfg``: field name -> value; what
+        :meth:`TransportConfig.make <weightsync.transport.config.TransportConfig.make>` passes).
+
+        Raises:
+            ValueError: the backend cannot be built from a record (the default: dist, whose
+                process group cannot be written down) or ``cfg`` lacks what it needs.
+        """
+        raise ValueError(
+            f"a {cls.kind} transport cannot be made from a TransportConfig; "
+            f"construct it with make_transport({cls.kind!r}, ...)"
+        )
 
     def __init__(self) -> None:
         self._local: list[Region] = []

@@ -3,14 +3,16 @@
 Built once per run, where the placement is known (:meth:`TransportConfig.resolve` applies the
 written policy of :mod:`~weightsync.transport.policy` to ``auto``), then handed to every process
 that opens a transport: trainer ranks and benchmark ranks get it pickled, engines get it on their
-command line (``--transport`` plus the ``--mooncake-*`` options) and rebuild it. Each process
-binds what only it knows (its CUDA device, :meth:`TransportConfig.on_device`; its host's
-address, :meth:`TransportConfig.on_host`) and opens the backend with
-:meth:`TransportConfig.make`; nothing else assembles backend options.
+command line as one JSON argument (``--transport-config``, :func:`add_receiver_arguments`). Each
+process binds what only it knows (its CUDA device, :meth:`TransportConfig.on_device`; its address,
+:meth:`TransportConfig.on_host`) and opens the backend with :meth:`TransportConfig.make`, which
+asks the backend class for its constructor arguments (``Transport.config_options``).
 
 The record is frozen and JSON-safe (:meth:`TransportConfig.to_json` / ``from_json``); it reads no
-environment (the launcher's reader, ``weightsync.launch.config``, passes ``MOONCAKE_PROTOCOL`` and
-``MOONCAKE_DEVICE`` in).
+environment: the fields name their variables (:meth:`TransportConfig.env_options`:
+``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``) and the launcher's reader, ``weightsync.launch.config``,
+passes their values in. A field with a ``flag`` is also an option of ``weightsync serve``
+(``--mooncake-protocol``, ``--mooncake-device``).
 
 Typical usage::
 
@@ -21,16 +23,19 @@ Typical usage::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+import argparse
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from weightsync.transport.base import Transport
 from weightsync.transport.policy import DeviceLike, resolve_kind
-from weightsync.transport.records import HOST
-from weightsync.transport.registry import TransportKind, make_transport
+from weightsync.transport.registry import TransportKind, make_transport, receiver_kinds, transport_class
 
 DEFAULT_MOONCAKE_PROTOCOL = "tcp"
+NONE = "none"
+"""The ``--transport`` of an engine without a p2p transport (broadcast only)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,9 +49,11 @@ class TransportConfig:
     a launcher leaves it None and each rank binds its own (:meth:`on_device`)."""
     shm_threads: int = 1
     """``shm`` and host-memory ``local``: copy threads per writer."""
-    mooncake_protocol: str = DEFAULT_MOONCAKE_PROTOCOL
+    mooncake_protocol: str = field(default=DEFAULT_MOONCAKE_PROTOCOL, metadata={
+        "env": "MOONCAKE_PROTOCOL", "flag": "with --transport mooncake: tcp | rdma (default: tcp)"})
     """``mooncake``: ``tcp`` or ``rdma`` (``MOONCAKE_PROTOCOL``)."""
-    mooncake_device: str = ""
+    mooncake_device: str = field(default="", metadata={
+        "env": "MOONCAKE_DEVICE", "flag": "with --transport mooncake rdma: e.g. mlx5_0"})
     """``mooncake`` ``rdma``: the RDMA device(s), e.g. ``mlx5_0`` (``MOONCAKE_DEVICE``)."""
     mooncake_hostname: str = "127.0.0.1"
     """``mooncake``: this process's address as peers reach it (an engine passes its own host)."""
@@ -91,37 +98,28 @@ class TransportConfig:
         kind = resolve_kind(requested, pairs, on_gpu=on_gpu, same_process=same_process)
         return cls(kind=kind, **options)
 
+    @property
+    def backend(self) -> type[Transport]:
+        """The backend class: what it can do is asked of its capability attributes."""
+        return transport_class(self.kind)
+
     def on_device(self, cuda_device: int | None) -> TransportConfig:
         """This configuration bound to the calling process's CUDA device (None: host memory)."""
         return replace(self, cuda_device=cuda_device)
 
     def on_host(self, hostname: str) -> TransportConfig:
         """This configuration bound to the calling process's host: the address peers reach it at,
-        which a backend that publishes one announces (a Mooncake session)."""
+        which a backend that ``opens_ports`` announces (a Mooncake session)."""
         return replace(self, mooncake_hostname=hostname)
 
     def options(self) -> dict[str, Any]:
         """The backend's constructor arguments (what :func:`~weightsync.transport.make_transport` takes).
 
         Raises:
-            ValueError: ``cuda_ipc`` without a bound device; ``dist``, whose process group
-                cannot be written down (construct it with ``make_transport("dist", group=pg)``).
+            ValueError: the backend needs what is not bound (cuda_ipc: a device), or cannot be
+                built from a record (dist, whose process group cannot be written down).
         """
-        if self.kind is TransportKind.SHM:
-            return {"num_threads": self.shm_threads}
-        if self.kind is TransportKind.CUDA_IPC:
-            if self.cuda_device is None:
-                raise ValueError("the cuda_ipc transport needs this process's CUDA device: bind it with on_device()")
-            return {"device": self.cuda_device}
-        if self.kind is TransportKind.MOONCAKE:
-            return {"protocol": self.mooncake_protocol, "device": self.mooncake_device,
-                    "hostname": self.mooncake_hostname}
-        if self.kind is TransportKind.LOCAL:
-            return {"device": HOST if self.cuda_device is None else self.cuda_device, "num_threads": self.shm_threads}
-        raise ValueError(
-            f"a {self.kind.value} transport cannot be made from a TransportConfig; "
-            f"construct it with make_transport({self.kind.value!r}, ...)"
-        )
+        return self.backend.config_options({f.name: getattr(self, f.name) for f in fields(self)})
 
     def make(self) -> Transport:
         """Open the backend (the caller closes it).
@@ -140,10 +138,75 @@ class TransportConfig:
         """The inverse of :meth:`to_json`; missing options take their defaults.
 
         Raises:
-            ValueError: a key that is no field (the message lists the fields).
+            ValueError: a key that is no field (the message lists the fields), no kind.
         """
-        fields = list(cls.__dataclass_fields__)
-        unknown = set(data) - set(fields)
+        names = list(cls.__dataclass_fields__)
+        unknown = set(data) - set(names)
         if unknown:
-            raise ValueError(f"unknown transport config keys {sorted(unknown)}; the fields are {fields}")
+            raise ValueError(f"unknown transport config keys {sorted(unknown)}; the fields are {names}")
+        if "kind" not in data:
+            raise ValueError(f"a transport config needs its kind; got the keys {sorted(data)}")
         return cls(**data)
+
+    @classmethod
+    def env_options(cls, environ: Mapping[str, str]) -> dict[str, str]:
+        """The options set in ``environ`` (a variable per field that names one; empty means unset).
+
+        The environment's one reader (``weightsync.launch.config``) passes it in; this reads nothing
+        itself.
+        """
+        out = {}
+        for f in fields(cls):
+            value = environ.get(f.metadata["env"], "").strip() if "env" in f.metadata else ""
+            if value:
+                out[f.name] = value
+        return out
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_receiver_arguments(parser: argparse.ArgumentParser) -> None:
+    """The transport options of an engine's command line: ``--transport`` (``none`` or a kind an
+    engine receives through, :func:`~weightsync.transport.registry.receiver_kinds`), one flag per
+    option that has one (``--mooncake-protocol``, ...), or the whole record as one JSON argument
+    ``--transport-config`` (what launchers pass); :func:`receiver_config_from_args` reads them."""
+    parser.add_argument("--transport", default=None, choices=[NONE, *receiver_kinds()],
+                        help="p2p transport the parameters are registered with (default: none = broadcast only)")
+    for f in fields(TransportConfig):
+        if "flag" in f.metadata:
+            parser.add_argument(_flag(f.name), default=None, help=f.metadata["flag"])
+    parser.add_argument("--transport-config", default=None, metavar="JSON",
+                        help="the whole transport configuration as JSON (TransportConfig.to_json), instead of "
+                        "--transport and its options")
+
+
+def receiver_config_from_args(args: argparse.Namespace) -> TransportConfig | None:
+    """The record :func:`add_receiver_arguments`'s options give (None: ``--transport none``).
+
+    Raises:
+        ValueError: ``--transport-config`` next to another transport option, JSON that is no
+            record, or a bad option.
+    """
+    given = {f.name: getattr(args, f.name) for f in fields(TransportConfig)
+             if "flag" in f.metadata and getattr(args, f.name) is not None}
+    if args.transport_config is not None:
+        if args.transport is not None or given:
+            named = ["--transport"] * (args.transport is not None) + [_flag(n) for n in given]
+            raise ValueError(f"--transport-config is the whole transport configuration: drop {', '.join(named)}")
+        try:
+            data = json.loads(args.transport_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--transport-config is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--transport-config must be a JSON object (TransportConfig.to_json), got {data!r}")
+        return TransportConfig.from_json(data)
+    if args.transport in (None, NONE):
+        return None
+    return TransportConfig(kind=args.transport, **given)
+
+
+def receiver_argv(cfg: TransportConfig | None) -> list[str]:
+    """The engine command-line options that carry ``cfg`` (the inverse of :func:`receiver_config_from_args`)."""
+    return ["--transport", NONE] if cfg is None else ["--transport-config", json.dumps(cfg.to_json())]

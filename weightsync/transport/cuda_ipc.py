@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -58,6 +59,12 @@ class CudaIpcTransport(Transport):
     supports_host_memory: ClassVar[bool] = False
     supports_device_memory: ClassVar[bool] = True
     uses_blocks: ClassVar[bool] = True
+
+    @classmethod
+    def config_options(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        if cfg["cuda_device"] is None:
+            raise ValueError("the cuda_ipc transport needs this process's CUDA device: bind it with on_device()")
+        return {"device": cfg["cuda_device"]}
 
     def __init__(self, *, device: int) -> None:
         """Args:

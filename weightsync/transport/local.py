@@ -8,9 +8,10 @@ sides are on that GPU; host<->device copies work too, through unified addressing
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from weightsync.transport._host import HostCopier, wait_futures
 from weightsync.transport.base import Transport
@@ -33,6 +34,11 @@ class LocalTransport(Transport):
     same_process_only: ClassVar[bool] = True
     supports_device_memory: ClassVar[bool] = True
     uses_blocks: ClassVar[bool] = True
+
+    @classmethod
+    def config_options(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        device = HOST if cfg["cuda_device"] is None else cfg["cuda_device"]
+        return {"device": device, "num_threads": cfg["shm_threads"]}
 
     def __init__(self, *, device: int = HOST, num_threads: int = 1) -> None:
         """Args:

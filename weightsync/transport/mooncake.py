@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -95,6 +95,13 @@ class MooncakeTransport(Transport):
     """One-sided writes through a Mooncake TransferEngine (see module docstring)."""
 
     kind: ClassVar[str] = "mooncake"
+    opens_ports: ClassVar[bool] = True
+    sglang_native: ClassVar[bool] = True
+
+    @classmethod
+    def config_options(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        return {"protocol": cfg["mooncake_protocol"], "device": cfg["mooncake_device"],
+                "hostname": cfg["mooncake_hostname"]}
 
     def __init__(
         self,

@@ -21,10 +21,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from weightsync.transport.registry import TransportKind
+from weightsync.transport.registry import TransportKind, receiver_kinds
 
 AUTO = "auto"
 """The requested kind that means: apply this policy."""
+
+
+def run_choices() -> list[str]:
+    """What a run's ``--transport`` accepts (``run``, ``bench``): :data:`AUTO`, or a kind an engine
+    receives through (:func:`~weightsync.transport.registry.receiver_kinds`), forced for every pair."""
+    return [AUTO, *(kind.value for kind in receiver_kinds())]
 
 
 class DeviceLike(Protocol):

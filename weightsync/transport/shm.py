@@ -36,10 +36,11 @@ import logging
 import os
 import secrets
 import weakref
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -211,6 +212,16 @@ class ShmTransport(Transport):
     same_host_only: ClassVar[bool] = True
     dest_needs_arena: ClassVar[bool] = True
     uses_blocks: ClassVar[bool] = True
+    dest_needs_staging: ClassVar[bool] = True
+
+    @classmethod
+    def config_options(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        return {"num_threads": cfg["shm_threads"]}
+
+    @classmethod
+    def remove_leftovers(cls, pids: set[int] | None = None) -> list[str]:
+        """:func:`remove_stale_segments` (``pids`` None) or :func:`remove_segments` of ``pids``."""
+        return remove_stale_segments() if pids is None else remove_segments(pids)
 
     def __init__(self, *, num_threads: int = 1, prefix: str = DEFAULT_PREFIX) -> None:
         """Args:
