@@ -155,6 +155,7 @@ def test_serve_cli_options_are_pinned() -> None:
         "--transport",
         "--mooncake-protocol",
         "--mooncake-device",
+        "--transport-config",
         "--transfer-info-format",
         "--max-batch-size",
         "--weight-version",

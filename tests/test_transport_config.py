@@ -5,10 +5,13 @@
   give ``shm`` on CPU and ``cuda_ipc`` on GPU, another host gives ``mooncake``, and a placement no
   single kind serves is refused with the pairs named;
 * a forced kind is taken as it is; an unknown one is refused with the choices;
-* the backend's constructor options come from the record alone (per kind), and a process binds
-  its own CUDA device;
+* the backend's constructor options come from the record alone (the backend class builds them),
+  and a process binds its own CUDA device and, for a backend whose peers connect to its ports,
+  its address;
 * the record survives every way it crosses a process: JSON, pickle, and the engine's command line
-  (:func:`serve_argv` -> ``weightsync serve`` parser -> :func:`transport_config`).
+  as one argument (:func:`serve_argv` -> ``weightsync serve`` parser -> :func:`transport_config`);
+  serve's own flags (``--transport KIND --mooncake-protocol ...``) give the same record, and the
+  environment's options are the variables the fields name.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import pytest
 from weightsync.cli import serve as serve_cli
 from weightsync.engine.bootstrap import transport_config
 from weightsync.launch.bench.config import bench_placement
-from weightsync.launch.procs import serve_argv, transport_argv
+from weightsync.launch.procs import serve_argv
 from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
 from weightsync.transport import HOST, TransportConfig, TransportKind, resolve_kind
+from weightsync.transport.config import receiver_argv
 
 
 def _pairs(trainers, engines):
@@ -118,7 +122,7 @@ def test_json_and_pickle_round_trip() -> None:
 def _engine_side(argv: list[str]):
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
-    i = argv.index("serve")
+    i = argv.index("serve") if "serve" in argv else -1
     return transport_config(serve_cli.config_from_args(parser.parse_args(argv[i + 1:])))
 
 
@@ -127,6 +131,7 @@ def _engine_side(argv: list[str]):
     [
         pytest.param(None, id="none"),
         pytest.param(TransportConfig(kind="shm"), id="shm"),
+        pytest.param(TransportConfig(kind="shm", shm_threads=3), id="shm-threads"),
         pytest.param(TransportConfig(kind="cuda_ipc"), id="cuda_ipc"),
         pytest.param(TransportConfig(kind="mooncake"), id="mooncake-tcp"),
         pytest.param(TransportConfig(kind="mooncake", mooncake_protocol="rdma", mooncake_device="mlx5_0"),
@@ -134,8 +139,59 @@ def _engine_side(argv: list[str]):
     ],
 )
 def test_the_engine_command_line_carries_the_config(cfg) -> None:
+    """The launcher passes the whole record as one argument; the engine rebuilds it unchanged (its own
+    address, 127.0.0.1 by default, is the launcher's default; it binds its GPUs itself)."""
     argv = serve_argv(model="Qwen3-4B", scale="tiny", tp=1, ep=1, dp=1, device="cpu", port=30000, checkpoint=None,
                       transport=cfg)
-    assert transport_argv(cfg) == argv[argv.index("--transport"):argv.index("--transport") + len(transport_argv(cfg))]
-    # the engine adds its own address (127.0.0.1, the default --host) and binds its GPUs itself
+    carried = receiver_argv(cfg)
+    assert len(carried) == 2
+    assert argv[argv.index(carried[0]):argv.index(carried[0]) + 2] == carried
     assert _engine_side(argv) == cfg
+
+
+@pytest.mark.parametrize(
+    ("flags", "cfg"),
+    [
+        pytest.param([], None, id="default-none"),
+        pytest.param(["--transport", "none"], None, id="none"),
+        pytest.param(["--transport", "shm"], TransportConfig(kind="shm"), id="shm"),
+        pytest.param(["--transport", "mooncake", "--mooncake-protocol", "rdma", "--mooncake-device", "mlx5_0"],
+                     TransportConfig(kind="mooncake", mooncake_protocol="rdma", mooncake_device="mlx5_0"),
+                     id="mooncake-flags"),
+    ],
+)
+def test_serve_flags_give_the_same_record(flags, cfg) -> None:
+    """What a person types (``--transport KIND`` and a backend's own flags) is mapped at the command
+    line's edge into the record a launcher passes whole."""
+    assert _engine_side(["Qwen3-4B", "--load-format", "dummy", *flags]) == cfg
+
+
+def test_the_engine_binds_its_own_address_where_peers_connect_to_it() -> None:
+    """A backend that opens ports (mooncake) is told the engine's address; another is left as given."""
+    base = ["Qwen3-4B", "--load-format", "dummy", "--host", "10.0.0.5", "--transport-config"]
+    for cfg, host in ((TransportConfig(kind="mooncake"), "10.0.0.5"), (TransportConfig(kind="shm"), "127.0.0.1")):
+        assert _engine_side([*base, receiver_argv(cfg)[1]]).mooncake_hostname == host
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        pytest.param(["--transport-config", '{"kind": "shm"}', "--transport", "shm"], "drop --transport",
+                     id="config-and-kind"),
+        pytest.param(["--transport-config", '{"kind": "mooncake"}', "--mooncake-protocol", "rdma"],
+                     "drop --mooncake-protocol", id="config-and-option"),
+        pytest.param(["--transport-config", "{kind: shm}"], "--transport-config is not JSON", id="not-json"),
+        pytest.param(["--transport-config", '"shm"'], "must be a JSON object", id="not-an-object"),
+        pytest.param(["--transport-config", '{"protocol": "tcp"}'], "unknown transport config keys", id="bad-key"),
+        pytest.param(["--transport-config", '{"shm_threads": 2}'], "needs its kind", id="no-kind"),
+    ],
+)
+def test_bad_engine_transport_options_are_refused(flags, named) -> None:
+    with pytest.raises(ValueError, match=named):
+        _engine_side(["Qwen3-4B", "--load-format", "dummy", *flags])
+
+
+def test_the_environment_options_are_the_variables_the_fields_name() -> None:
+    env = {"MOONCAKE_PROTOCOL": " rdma ", "MOONCAKE_DEVICE": "", "PATH": "/bin"}
+    assert TransportConfig.env_options(env) == {"mooncake_protocol": "rdma"}
+    assert TransportConfig.env_options({}) == {}

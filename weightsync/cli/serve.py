@@ -11,6 +11,7 @@ from pathlib import Path
 
 from weightsync.engine.config import ServeConfig
 from weightsync.launch.config import env_token
+from weightsync.transport.config import add_receiver_arguments, receiver_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,14 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
                         help="dtype of the unquantized weights (default bfloat16; float32 keeps a float32 checkpoint)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
-    parser.add_argument(
-        "--transport",
-        default="none",
-        choices=("none", "shm", "cuda_ipc", "mooncake"),
-        help="p2p transport the parameters are registered with (default: none = broadcast only)",
-    )
-    parser.add_argument("--mooncake-protocol", default="tcp", help="with --transport mooncake: tcp | rdma")
-    parser.add_argument("--mooncake-device", default="", help="with --transport mooncake rdma: e.g. mlx5_0")
+    add_receiver_arguments(parser)  # --transport, its backends' options, --transport-config
     parser.add_argument(
         "--transfer-info-format",
         choices=("weightsync", "sglang"),
@@ -113,9 +107,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         load_format=load_format,
         dtype=args.dtype,
         seed=args.seed,
-        transport=args.transport,
-        mooncake_protocol=args.mooncake_protocol,
-        mooncake_device=args.mooncake_device,
+        transport=receiver_config_from_args(args),
         max_batch_size=args.max_batch_size,
         weight_version=args.weight_version,
         dist_port=args.dist_port,

@@ -28,7 +28,7 @@ from weightsync.layout.sglang import check_engine_parallel
 from weightsync.models.parallel import RolloutParallel
 from weightsync.models.resolve import model_spec
 from weightsync.models.spec import ModelSpec
-from weightsync.transport import TransportConfig, TransportKind
+from weightsync.transport import TransportConfig
 from weightsync.transport.net import bound_store, interface_of, is_loopback, is_wildcard
 
 if TYPE_CHECKING:
@@ -79,16 +79,12 @@ def transport_config(cfg: ServeConfig) -> TransportConfig | None:
     """The engine's p2p transport as its command line gives it (None: ``--transport none``).
 
     The kind arrives resolved (a launcher resolved ``auto`` with the run's placement); the
-    engine adds what only it knows: its own address for Mooncake peers. Each rank binds its
-    CUDA device when it opens the transport.
+    engine adds what only it knows: its own address, for a backend whose peers connect to its
+    ports (``opens_ports``). Each rank binds its CUDA device when it opens the transport.
     """
-    if cfg.transport == "none":
-        return None
-    if cfg.transport != TransportKind.MOONCAKE:
-        return TransportConfig(kind=cfg.transport)
-    host = advertised_host(cfg)
-    return TransportConfig(kind=cfg.transport, mooncake_protocol=cfg.mooncake_protocol,
-                           mooncake_device=cfg.mooncake_device, mooncake_hostname=host)
+    if cfg.transport is None or not cfg.transport.backend.opens_ports:
+        return cfg.transport
+    return cfg.transport.on_host(advertised_host(cfg))
 
 
 def advertised_host(cfg: ServeConfig) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from weightsync.transport import TransportConfig
+
 TRANSFER_INFO_FORMATS = ("weightsync", "sglang")
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -45,13 +47,10 @@ class ServeConfig:
     a float32 checkpoint stays float32 with ``float32``."""
     seed: int = 0
     """Seed of the dummy weights."""
-    transport: str = "none"
-    """p2p transport the parameters are registered with (``none``, ``shm``, ``cuda_ipc``,
-    ``mooncake``); ``none`` leaves the broadcast path only."""
-    mooncake_protocol: str = "tcp"
-    """Mooncake protocol when ``transport="mooncake"`` (``tcp``, ``rdma``)."""
-    mooncake_device: str = ""
-    """RDMA device(s) for mooncake ``rdma`` (e.g. ``mlx5_0``)."""
+    transport: TransportConfig | None = None
+    """The p2p transport the parameters are registered with, the whole record (its kind one an
+    engine receives through; the engine binds its own device and address); None leaves the
+    broadcast path only."""
     max_batch_size: int = 32
     weight_version: str = "default"
     dist_port: int | None = None

@@ -51,6 +51,7 @@ from weightsync.sync.broadcast_receiver import BroadcastReceiver, check_update_r
 from weightsync.sync.p2p_receiver import Receiver
 from weightsync.sync.params import ParamStore, write_global
 from weightsync.transport import TransportConfig
+from weightsync.transport.config import NONE
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class Engine:
                 "size": groups.world,
             },
         )
-        self.p2p = p2p if p2p is not None else Receiver("none", None, None, groups.rank)
+        self.p2p = p2p if p2p is not None else Receiver(NONE, None, None, groups.rank)
         self.inbox = self.p2p.write_target(store)
         """Where update sessions write (``store`` itself unless the transport is staged)."""
         self.broadcast = BroadcastReceiver(self.inbox, spec, groups.rank, timeout_s=group_timeout_s,
@@ -165,8 +166,9 @@ class Engine:
             groups: this rank's groups (``groups.par`` is the engine's parallel config).
             device: parameter and compute device.
             compute_dtype: activation dtype (default: float32 on CPU, the spec's dtype on CUDA).
-            transport: the p2p transport the parameters are registered with (its kind one of
-                :data:`weightsync.sync.p2p_receiver.RECEIVER_TRANSPORTS`); None: a plain allocation.
+            transport: the p2p transport the parameters are registered with (a kind an engine
+                receives through, :meth:`~weightsync.sync.p2p_receiver.Receiver.open`); None: a plain
+                allocation.
             eos_token_ids: tokens that end a request unless it sets ``ignore_eos``.
             group_timeout_s: the deadline of joining a weight-update group and of a broadcast receive.
             bind_host: the local address weight-update groups listen on (default: the route to their master).

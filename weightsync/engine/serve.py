@@ -8,10 +8,11 @@ the others (:mod:`weightsync.engine.control`).
 Processes: Ctrl-C (or SIGTERM) stops the server, releases the workers and tears the process group
 down (exit status 0); ranks > 0 die with rank 0 if it is killed outright (Linux
 ``PR_SET_PDEATHSIG``); rank 0 ends the engine (exit status 1) if a rank process dies, since it
-cannot leave a collective with a dead peer, unlinking its own and the dead ranks' shm segments
-first. With ``die_with_parent`` the engine gets SIGTERM when the process that started it dies
-(a launcher killed with SIGKILL included) and stops as on Ctrl-C. At start-up, shm segments of
-this project whose owner process is gone are removed.
+cannot leave a collective with a dead peer, removing what its own and the dead ranks'
+registrations leave behind first (shm segments; ``Transport.remove_leftovers``). With
+``die_with_parent`` the engine gets SIGTERM when the process that started it dies (a launcher
+killed with SIGKILL included) and stops as on Ctrl-C. At start-up, leftovers of this project's
+transports whose owner process is gone are removed.
 
 Typical usage::
 
@@ -35,7 +36,8 @@ from typing import Any
 
 from weightsync.engine.config import ServeConfig
 from weightsync.proc import die_with_parent, free_port
-from weightsync.transport.shm import remove_segments, remove_stale_segments
+from weightsync.transport.config import NONE
+from weightsync.transport.registry import remove_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +67,9 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
             validate_checkpoint(spec, ckpt)
     if cfg.die_with_parent:
         die_with_parent(signal.SIGTERM)
-    stale = remove_stale_segments()
+    stale = remove_leftovers()
     if stale:
-        logger.info("removed %d shm segment(s) of processes that are gone: %s", len(stale), ", ".join(stale))
+        logger.info("removed %d transport leftover(s) of processes that are gone: %s", len(stale), ", ".join(stale))
     port = cfg.dist_port if cfg.dist_port is not None else free_port()
     procs = []
     if par.tp > 1:
@@ -100,8 +102,8 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
 
 
 def _end_workers(procs: list[Any], grace_s: float) -> None:
-    """Wait for the rank processes (``grace_s``), terminate the ones left, and unlink the shm
-    segments they could not (a rank killed mid-collective leaves its own)."""
+    """Wait for the rank processes (``grace_s``), terminate the ones left, and remove the transport
+    leftovers they could not (a rank killed mid-collective leaves its shm segments)."""
     end = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(end - time.monotonic(), 0.1))
@@ -112,14 +114,14 @@ def _end_workers(procs: list[Any], grace_s: float) -> None:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    left = remove_segments({p.pid for p in procs if p.pid is not None and not p.is_alive()})
+    left = remove_leftovers({p.pid for p in procs if p.pid is not None and not p.is_alive()})
     if left:
-        logger.info("unlinked %d shm segment(s) of the engine's ranks: %s", len(left), ", ".join(left))
+        logger.info("removed %d transport leftover(s) of the engine's ranks: %s", len(left), ", ".join(left))
 
 
 def _watch_workers(procs: list[Any], watching: threading.Event) -> None:
     """Rank 0 cannot leave a collective whose peer died: end the whole engine instead, after
-    unlinking the shm segments of every rank (its own included; the mappings stay valid).
+    removing the transport leftovers of every rank (its own included; shm mappings stay valid).
 
     Runs until ``watching`` is cleared (just before a normal shutdown releases the workers).
     """
@@ -131,7 +133,7 @@ def _watch_workers(procs: list[Any], watching: threading.Event) -> None:
                     if other.exitcode is None:
                         other.kill()
                         other.join(timeout=5)
-                remove_segments({os.getpid(), *(q.pid for q in procs if q.pid is not None)})
+                remove_leftovers({os.getpid(), *(q.pid for q in procs if q.pid is not None)})
                 logging.shutdown()
                 os._exit(1)
         time.sleep(0.2)
@@ -219,8 +221,9 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
             cfg.host,
             cfg.port,
         )
-        if cfg.token is None and cfg.transport == "mooncake":
-            logger.info("no token: Mooncake's ports take connections on the loopback interface only")
+        if cfg.token is None and cfg.transport is not None and cfg.transport.backend.opens_ports:
+            logger.info("no token: the %s transport's ports take connections on the loopback interface only",
+                        cfg.transport.kind.value)
         server.run()
     finally:
         watching.clear()  # the workers leave now, on purpose
@@ -281,7 +284,8 @@ def server_info(
         "enable_return_routed_experts": False,
         "enable_return_indexer_topk": False,
         "engine_info_bootstrap_port": None,
-        "remote_instance_weight_loader_start_seed_via_transfer_engine": cfg.transport == "mooncake",
+        "remote_instance_weight_loader_start_seed_via_transfer_engine": (
+            cfg.transport is not None and cfg.transport.backend.sglang_native),
         "status": "ready",
         "max_total_num_tokens": cfg.max_batch_size * context,
         "max_req_input_len": context - 1,
@@ -290,7 +294,7 @@ def server_info(
         "weightsync": {
             "model": cfg.model,
             "scale": cfg.scale,
-            "transport": cfg.transport,
+            "transport": cfg.transport.kind.value if cfg.transport is not None else NONE,
             "transfer_info_format": cfg.transfer_info_format,
             "tokenizer": tokenizer,
             "vocab_size": spec.vocab_size,

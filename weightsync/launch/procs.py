@@ -18,7 +18,8 @@ from pathlib import Path
 from weightsync.launch.config import TOKEN_ENV
 from weightsync.proc import log_tail
 from weightsync.sync.engine_client import EngineClient
-from weightsync.transport import TransportConfig, TransportKind
+from weightsync.transport import TransportConfig
+from weightsync.transport.config import receiver_argv
 
 log = logging.getLogger(__name__)
 
@@ -96,26 +97,12 @@ class AttachedEngine:
 def serve_argv(*, model: str, scale: str, tp: int, ep: int, dp: int, device: str, port: int, checkpoint: Path | None,
                transport: TransportConfig | None, host: str = "127.0.0.1", moe_dense_tp: int | None = None,
                dp_lm_head: bool = False, extra: Sequence[str] = ()) -> list[str]:
-    """The command line of one engine (``python -m weightsync.cli serve ...``)."""
+    """The command line of one engine (``python -m weightsync.cli serve ...``); ``transport`` travels
+    whole, as one JSON argument (the engine binds its own GPUs and address)."""
     argv = [sys.executable, "-m", "weightsync.cli", "serve", model, "--scale", scale, "--tp", str(tp), "--ep", str(ep),
-            "--dp", str(dp), "--device", device, "--host", host, "--port", str(port), *transport_argv(transport)]
+            "--dp", str(dp), "--device", device, "--host", host, "--port", str(port), *receiver_argv(transport)]
     argv += ["--moe-dense-tp-size", str(moe_dense_tp)] if moe_dense_tp is not None else []
     argv += ["--enable-dp-lm-head"] if dp_lm_head else []
     argv += ["--checkpoint", str(checkpoint)] if checkpoint is not None else ["--load-format", "dummy"]
     return argv + list(extra)
 
-
-def transport_argv(transport: TransportConfig | None) -> list[str]:
-    """The engine options that carry ``transport`` (the engine rebuilds it from them,
-    :func:`weightsync.engine.bootstrap.transport_config`); None: ``--transport none``.
-
-    Only the kind and the Mooncake protocol and device travel: the engine binds its own GPUs
-    and publishes its own address, and its side of shm copies nothing.
-    """
-    if transport is None:
-        return ["--transport", "none"]
-    argv = ["--transport", transport.kind.value]
-    if transport.kind is TransportKind.MOONCAKE:
-        argv += ["--mooncake-protocol", transport.mooncake_protocol]
-        argv += ["--mooncake-device", transport.mooncake_device] if transport.mooncake_device else []
-    return argv
