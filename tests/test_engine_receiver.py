@@ -2,7 +2,8 @@
 parameter address lies inside the one registered region ``"params"`` of the descriptor, a writer
 on this host that connects with that descriptor writes into the engine's inbox, and the served
 parameters change only when the inbox is committed (an update session's end); a refresh (a
-session's begin) wipes what was written into the inbox before.
+session's begin) wipes what was written into the inbox before. The receiver's decisions follow the
+backend's capabilities (``dest_needs_staging``, the memory it moves), never the kind's name.
 """
 
 from __future__ import annotations
@@ -62,6 +63,26 @@ def test_unsuitable_transports_are_refused() -> None:
         Receiver.open(transport.TransportConfig(kind="dist"), layout, device=torch.device("cpu"), rank=0)
     with pytest.raises(ValueError, match="needs a CUDA engine"):
         Receiver.open(transport.TransportConfig(kind="cuda_ipc"), layout, device=torch.device("cpu"), rank=0)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-place"])
+def test_staging_follows_the_capability_not_the_name(monkeypatch: pytest.MonkeyPatch, staged: bool) -> None:
+    """The same backend staged or not, by its ``dest_needs_staging`` alone: staged, the registered
+    region is an inbox apart from the served parameters; in place, it holds them."""
+    from weightsync.transport.shm import ShmTransport
+
+    monkeypatch.setattr(ShmTransport, "dest_needs_staging", staged)
+    layout = engine_layout(tiny("Qwen3-4B"), RolloutParallel(), 0)
+    receiver, store = Receiver.open(transport.TransportConfig(kind="shm"), layout, device=torch.device("cpu"), rank=0)
+    try:
+        region = transport.PeerDescriptor.from_json(receiver.descriptor()).region(PARAMS_REGION)
+        served = store[layout[0].name].data_ptr()
+        assert receiver.staged is staged
+        assert (receiver.write_target(store) is store) is not staged
+        assert (region.addr <= served < region.end) is not staged
+    finally:
+        store.close()
+        receiver.close()
 
 
 def test_no_transport_is_a_plain_allocation() -> None:

@@ -1,13 +1,15 @@
 """The receiving end of p2p transfers on one engine rank: transport, arena, one registration.
 
-With a transport (``shm`` on CPU, ``cuda_ipc`` on GPU, ``mooncake`` between hosts), a block of
-the rank's parameter layout is carved from that transport's arena and registered once, as region
-``"params"``, before anything is published; senders connect with the published descriptor and
-write straight into it. The receiver does nothing per write (the transports are one-sided).
+With a transport (any one-sided backend that reaches other processes and moves the rank's memory:
+:func:`~weightsync.transport.registry.check_receiver`), a block of the rank's parameter layout is
+carved from that transport's arena and registered once, as region ``"params"``, before anything
+is published; senders connect with the published descriptor and write straight into it. The
+receiver does nothing per write (the transports are one-sided). It asks the backend what it can
+do (its capability attributes, ``TransportConfig.backend``) and never compares kind names.
 Without a transport (None) the parameters are a plain allocation and only the broadcast path
 (two-sided, :mod:`weightsync.sync.broadcast_receiver`) can update them.
 
-**Staged transports** (:data:`STAGED_TRANSPORTS`: ``shm``): the registered block is an *inbox*
+**Staged transports** (``Transport.dest_needs_staging``: shm): the registered block is an *inbox*
 (:attr:`Receiver.inbox`), not the served parameters. A shm segment can be mapped and written by
 any process of the engine's user that learns its name (``/dev/shm`` lists it), at any time; so the
 engine serves from memory of its own, copies the served parameters into the inbox when an update
@@ -15,7 +17,7 @@ session begins (:meth:`Receiver.refresh`: writes made before the session are wip
 inbox into the parameters when the session ends (:meth:`Receiver.commit`). A write outside a
 session therefore never reaches the served weights; a write during a session is the session's
 (its verification sees it). The price: twice the parameter memory (host memory, CPU engines only)
-and two block copies per update. ``cuda_ipc`` and ``mooncake`` write in place as sglang does
+and two block copies per update. The others (cuda_ipc, mooncake) write in place as sglang does
 (doubling device memory is not affordable): whoever holds their handles (published only through
 the token-guarded info endpoint, respectively the Mooncake RPC port, confined to the advertised
 interface) can write the served parameters directly.
@@ -41,14 +43,10 @@ import torch
 from weightsync.layout.box import LocalTensor
 from weightsync.sync.params import ParamStore
 from weightsync.transport import HOST, TransportConfig
-
-RECEIVER_TRANSPORTS = ("shm", "cuda_ipc", "mooncake")
-"""Transports an engine can receive through (dist is two-sided; local is in-process only); an
-engine without a transport passes None."""
+from weightsync.transport.config import NONE
+from weightsync.transport.registry import check_receiver
 
 PARAMS_REGION = "params"
-STAGED_TRANSPORTS = ("shm",)
-"""Transports whose registered block is an inbox copied in by an update session (module docstring)."""
 
 
 class Receiver:
@@ -92,9 +90,9 @@ class Receiver:
         """Allocate the rank's parameters for ``transport`` and register them.
 
         Args:
-            transport: the run's transport configuration (its kind one of
-                :data:`RECEIVER_TRANSPORTS`; ``cuda_ipc`` is bound to ``device`` unless bound
-                already), or None for no transport (broadcast only).
+            transport: the run's transport configuration (a kind an engine on ``device`` receives
+                through, :func:`~weightsync.transport.registry.check_receiver`; bound to a CUDA
+                ``device`` unless bound already), or None for no transport (broadcast only).
             layout: the rank's local tensors.
             device: where the parameters live.
             rank: engine rank (names the session when there is no transport).
@@ -108,17 +106,10 @@ class Receiver:
             RuntimeError: the transport is unavailable here (its message says why).
         """
         if transport is None:
-            return cls("none", None, None, rank), ParamStore(layout, device)
-        kind = transport.kind.value
-        if kind not in RECEIVER_TRANSPORTS:
-            raise ValueError(f"an engine receives through one of {', '.join(RECEIVER_TRANSPORTS)}; got {kind!r}")
-        if kind == "cuda_ipc":
-            if device.type != "cuda":
-                raise ValueError("the cuda_ipc transport needs a CUDA engine (--device cuda); use shm on CPU")
-            if transport.cuda_device is None:
-                transport = transport.on_device(device.index)
-        elif kind == "shm" and device.type != "cpu":
-            raise ValueError("the shm transport serves host memory; use cuda_ipc for a CUDA engine")
+            return cls(NONE, None, None, rank), ParamStore(layout, device)
+        backend = check_receiver(transport.kind, device.type)
+        if device.type == "cuda" and transport.cuda_device is None:
+            transport = transport.on_device(device.index)
         opened = transport.make()
         try:
             arena = opened.new_arena(ParamStore.required_bytes(layout), device=device)
@@ -129,7 +120,8 @@ class Receiver:
         except BaseException:
             opened.close()
             raise
-        if kind in STAGED_TRANSPORTS:
+        kind = transport.kind.value
+        if backend.dest_needs_staging:
             return cls(kind, opened, arena, rank, inbox=registered), ParamStore(layout, device)
         return cls(kind, opened, arena, rank), registered
 

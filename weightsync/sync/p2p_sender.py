@@ -38,6 +38,7 @@ from weightsync.quant.fp8 import block_scale_inv, quantize_block_fp8
 from weightsync.quant.fp8_fused import FusedQuant, QuantTask
 from weightsync.transport import Peer, PeerDescriptor, Transport, WriteBatch, WriteHandle, deadline_after
 from weightsync.transport.records import Region
+from weightsync.transport.registry import sglang_kind
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,10 @@ class _Staged:
     nbytes: int
 
 
-SGLANG_TRANSPORT = "mooncake"
-"""The transport of an engine that publishes only sglang's ``[session_id, weights_info]``: sglang's
-session id is its Mooncake TransferEngine's ``host:port`` and the pointers are its parameters'."""
+SGLANG_TRANSPORT: str = sglang_kind().value
+"""The transport of an engine that publishes only sglang's ``[session_id, weights_info]``: the
+backend that is sglang's own transfer engine (``Transport.sglang_native``), whose session id sglang
+publishes as it is and whose pointers are the parameters'."""
 
 
 def sglang_descriptor(session_id: str, weights: Mapping[str, Sequence[int]]) -> PeerDescriptor:
