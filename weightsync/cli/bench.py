@@ -14,6 +14,7 @@ from weightsync.launch.bench.config import build_config
 from weightsync.launch.bench.summary import format_table, summarize
 from weightsync.plan.broadcast import DEFAULT_BUCKET_GB
 from weightsync.plan.records import Mode
+from weightsync.transport import AUTO, run_choices
 
 DEFAULT_TRAIN = "tp=2,pp=1,cp=1,ep=1,etp=1,world=2"
 """Trainer TP 2 on 2 ranks, whatever the profile's sizes (``mla_rep`` stays the profile's)."""
@@ -43,9 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--transport",
-        choices=("auto", "shm", "cuda_ipc"),
-        default="auto",
-        help="p2p transport (auto: shm on cpu, cuda_ipc on cuda)",
+        choices=run_choices(),
+        default=AUTO,
+        help="p2p transport (auto: the written policy over the placement, or a kind forced for every pair)",
     )
     p.add_argument("--bucket-gb", type=float, default=DEFAULT_BUCKET_GB,
                    help="staging / broadcast bucket size in GiB, 2**30 bytes, as BUCKET_SIZE_GB of run (default 1)")

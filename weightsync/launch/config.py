@@ -2,7 +2,8 @@
 
 ``RunConfig`` holds everything a ``run`` needs; :func:`env_settings` reads the reference
 system's variables (``CKPT_SAVE_DIR``, ``SKIP_VALIDATION``, ``BUCKET_SIZE_GB``,
-``MILES_LOG_DIR``), the transport ones (``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``) and the
+``MILES_LOG_DIR``), the transport ones (those the transport configuration's fields name:
+``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``; :meth:`TransportConfig.env_options`) and the
 multi-node ones (``WEIGHTSYNC_NODE_TIMEOUT_S``, ``WEIGHTSYNC_RAY_PORT``), the engines' access token
 (``WEIGHTSYNC_TOKEN``, :func:`env_token`; ``weightsync serve`` reads it here too, at its CLI edge),
 and nothing below this module reads the environment: values are passed down explicitly.
@@ -24,6 +25,7 @@ from weightsync.models.fit import NodePlan, plan_nodes
 from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.plan.broadcast import DEFAULT_BUCKET_GB, bucket_bytes_from_gb
 from weightsync.plan.records import Mode
+from weightsync.transport import AUTO, TransportConfig, check_receiver
 
 DEFAULT_CKPT_DIR = "/root/multinode"
 """The reference system's default checkpoint directory."""
@@ -45,8 +47,9 @@ class EnvSettings:
     """``BUCKET_SIZE_GB`` (GiB, 2**30 bytes; default 1), in bytes."""
     log_dir: Path | None
     """``MILES_LOG_DIR``: logs, ``results.json`` and plots."""
-    mooncake_protocol: str = "tcp"
-    mooncake_device: str = ""
+    transport_options: dict[str, str] = field(default_factory=dict)
+    """The transport options the environment sets (``MOONCAKE_PROTOCOL``, ...), by field of
+    :class:`~weightsync.transport.TransportConfig`."""
     node_timeout_s: float = DEFAULT_NODE_TIMEOUT_S
     """``WEIGHTSYNC_NODE_TIMEOUT_S``: the deadline for the nodes of a multi-node run to join."""
     ray_port: int = DEFAULT_RAY_PORT
@@ -99,8 +102,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         skip_validation=skip == "1",
         bucket_bytes=bucket,
         log_dir=Path(log_dir) if log_dir else None,
-        mooncake_protocol=env.get("MOONCAKE_PROTOCOL", "tcp").strip() or "tcp",
-        mooncake_device=env.get("MOONCAKE_DEVICE", "").strip(),
+        transport_options=TransportConfig.env_options(env),
         node_timeout_s=float(_positive(env, "WEIGHTSYNC_NODE_TIMEOUT_S", DEFAULT_NODE_TIMEOUT_S, float)),
         ray_port=int(_positive(env, "WEIGHTSYNC_RAY_PORT", DEFAULT_RAY_PORT, int)),
         token=env_token(env),
@@ -244,8 +246,9 @@ class RunConfig:
     num_steps: int
     env: EnvSettings
     log_dir: Path
-    transport: str = "auto"
-    """p2p transport: ``auto`` (the written policy), or forced ``shm`` / ``mooncake`` / ``cuda_ipc``."""
+    transport: str = AUTO
+    """p2p transport: ``auto`` (the written policy), or a kind an engine receives through, forced
+    for every pair (:func:`~weightsync.transport.run_choices`)."""
     prompts_per_step: int = 4
     max_new_tokens: int = 8
     seed: int = 1234
@@ -290,8 +293,6 @@ class RunConfig:
             raise ValueError(f"unknown device {self.device!r}: use cpu or cuda")
         if self.num_steps < 1:
             raise ValueError(f"--num-rollout must be >= 1, got {self.num_steps}")
-        if self.transport not in ("auto", "shm", "mooncake", "cuda_ipc"):
-            raise ValueError(f"unknown transport {self.transport!r}: use auto, shm, mooncake or cuda_ipc")
         if self.engine_urls and len(self.engine_urls) != self.rollout.num_engines:
             raise ValueError(f"{len(self.engine_urls)} engine URL(s) for {self.rollout.num_engines} engine(s)")
         if self.trainer not in ("synthetic", "megatron"):
@@ -308,9 +309,8 @@ class RunConfig:
         if self.update_retries < 0:
             raise ValueError(f"--update-retries must be >= 0 (0: a failed update stops the run), got "
                              f"{self.update_retries}")
-        if self.transport == "cuda_ipc" and self.device != "cuda":
-            raise ValueError(f"--transport cuda_ipc moves GPU memory between processes of one GPU; this run is on "
-                             f"{self.device}: use shm (or auto) on cpu")
+        if self.transport != AUTO:  # a kind no engine receives through, or not this device's memory
+            check_receiver(self.transport, self.device, name="--transport")
         if self.engine_urls and self.cluster is not None:
             raise ValueError("--engine-urls updates engines that are already serving; a multi-node run (--head-ip) "
                              "starts its own: give one or the other")

@@ -122,8 +122,7 @@ class RunSession:
         and engine rank is a process of its own, on the node the placement puts it on."""
         cfg = self.cfg
         return TransportConfig.resolve(cfg.transport, self.procs.nodes.pairs(), on_gpu=cfg.device == "cuda",
-                                       mooncake_protocol=cfg.env.mooncake_protocol,
-                                       mooncake_device=cfg.env.mooncake_device)
+                                       **cfg.env.transport_options)
 
     def start(self) -> None:
         cfg = self.cfg
