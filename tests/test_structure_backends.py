@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,5 +125,16 @@ def test_transport_choices_come_from_the_registry() -> None:
     assert receivers == [k.value for k in TransportKind
                          if transport_class(k).one_sided and not transport_class(k).same_process_only]
     assert set(receivers) == {"shm", "cuda_ipc", "mooncake"}
-    assert _choices("run") == _choices("bench") == run_choices() == [AUTO, *receivers]
+    assert _choices("run") == _choices("bench") == list(run_choices()) == [AUTO, *receivers]
     assert _choices("serve") == [NONE, *receivers]
+
+
+def test_building_the_command_line_imports_no_backend() -> None:
+    """The choices are read from the backends' classes only when argparse needs them, so that
+    ``weightsync list`` (and a parse) does not import torch (``weightsync/cli/__init__.py``)."""
+    code = ("import sys; from weightsync.cli import build_parser; build_parser().parse_args(['serve', 'M']); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m in BACKENDS))")
+    backends = repr({module for module, _, _ in _BACKENDS.values()})
+    out = subprocess.run([sys.executable, "-c", f"BACKENDS = {backends}; {code}"], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout

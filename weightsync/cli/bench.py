@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--transport",
         choices=run_choices(),
+        metavar="KIND",
         default=AUTO,
-        help="p2p transport (auto: the written policy over the placement, or a kind forced for every pair)",
+        help="p2p transport: %(choices)s (auto: the written policy over the placement; a kind: forced for every pair)",
     )
     p.add_argument("--bucket-gb", type=float, default=DEFAULT_BUCKET_GB,
                    help="staging / broadcast bucket size in GiB, 2**30 bytes, as BUCKET_SIZE_GB of run (default 1)")

@@ -46,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rank, as Megatron's TE spec; 0: split over TP, as its local spec")
     p.add_argument("--rollout", default=None,
                    help="tp=..,ep=..,dp=..,engines=..: the run profile's engine sizes with these replaced")
-    p.add_argument("--transport", default=AUTO, choices=run_choices(),
-                   help="p2p transport (auto: the written policy over the placement, or a kind forced for every pair)")
+    p.add_argument("--transport", default=AUTO, choices=run_choices(), metavar="KIND",
+                   help="p2p transport: %(choices)s (auto: the written policy over the placement; a kind: forced for "
+                   "every pair)")
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--hf-checkpoint", type=Path, default=None,

@@ -23,20 +23,67 @@ Typical usage::
 
 from __future__ import annotations
 
-from weightsync.transport.arena import Arena, arena_bytes
-from weightsync.transport.base import Transport
-from weightsync.transport.config import TransportConfig
-from weightsync.transport.handles import Peer, WriteBatch, WriteHandle, deadline_after
-from weightsync.transport.policy import AUTO, DeviceLike, choose_transport, resolve_kind, run_choices
-from weightsync.transport.records import HOST, PeerDescriptor, Region, Run
-from weightsync.transport.registry import (
-    TransportKind,
-    available_transports,
-    check_receiver,
-    make_transport,
-    receiver_kinds,
-    transport_class,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "AUTO": "policy",
+    "HOST": "records",
+    "Arena": "arena",
+    "DeviceLike": "policy",
+    "Peer": "handles",
+    "PeerDescriptor": "records",
+    "Region": "records",
+    "Run": "records",
+    "Transport": "base",
+    "TransportConfig": "config",
+    "TransportKind": "registry",
+    "WriteBatch": "handles",
+    "WriteHandle": "handles",
+    "arena_bytes": "arena",
+    "available_transports": "registry",
+    "check_receiver": "registry",
+    "choose_transport": "policy",
+    "deadline_after": "handles",
+    "make_transport": "registry",
+    "receiver_kinds": "registry",
+    "resolve_kind": "policy",
+    "run_choices": "policy",
+    "transport_class": "registry",
+}
+"""Public name -> the module defining it, imported on first use (PEP 562): the registry, the policy
+and the configuration record import no torch, so a command line that needs only them (the
+``--transport`` choices, ``TransportConfig``) stays light; the first name that needs torch loads it."""
+
+if TYPE_CHECKING:
+    from weightsync.transport.arena import Arena, arena_bytes
+    from weightsync.transport.base import Transport
+    from weightsync.transport.config import TransportConfig
+    from weightsync.transport.handles import Peer, WriteBatch, WriteHandle, deadline_after
+    from weightsync.transport.policy import AUTO, DeviceLike, choose_transport, resolve_kind, run_choices
+    from weightsync.transport.records import HOST, PeerDescriptor, Region, Run
+    from weightsync.transport.registry import (
+        TransportKind,
+        available_transports,
+        check_receiver,
+        make_transport,
+        receiver_kinds,
+        transport_class,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "AUTO",

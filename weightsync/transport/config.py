@@ -27,11 +27,13 @@ import argparse
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from weightsync.transport.base import Transport
 from weightsync.transport.policy import DeviceLike, resolve_kind
-from weightsync.transport.registry import TransportKind, make_transport, receiver_kinds, transport_class
+from weightsync.transport.registry import KindChoices, TransportKind, make_transport, transport_class
+
+if TYPE_CHECKING:  # the backends are imported when a record is opened, not with it
+    from weightsync.transport.base import Transport
 
 DEFAULT_MOONCAKE_PROTOCOL = "tcp"
 NONE = "none"
@@ -172,8 +174,9 @@ def add_receiver_arguments(parser: argparse.ArgumentParser) -> None:
     engine receives through, :func:`~weightsync.transport.registry.receiver_kinds`), one flag per
     option that has one (``--mooncake-protocol``, ...), or the whole record as one JSON argument
     ``--transport-config`` (what launchers pass); :func:`receiver_config_from_args` reads them."""
-    parser.add_argument("--transport", default=None, choices=[NONE, *receiver_kinds()],
-                        help="p2p transport the parameters are registered with (default: none = broadcast only)")
+    parser.add_argument("--transport", default=None, choices=KindChoices(NONE), metavar="KIND",
+                        help="p2p transport the parameters are registered with: %(choices)s (default: none = "
+                        "broadcast only)")
     for f in fields(TransportConfig):
         if "flag" in f.metadata:
             parser.add_argument(_flag(f.name), default=None, help=f.metadata["flag"])

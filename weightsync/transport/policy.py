@@ -21,16 +21,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from weightsync.transport.registry import TransportKind, receiver_kinds
+from weightsync.transport.registry import KindChoices, TransportKind
 
 AUTO = "auto"
 """The requested kind that means: apply this policy."""
 
 
-def run_choices() -> list[str]:
+def run_choices() -> KindChoices:
     """What a run's ``--transport`` accepts (``run``, ``bench``): :data:`AUTO`, or a kind an engine
     receives through (:func:`~weightsync.transport.registry.receiver_kinds`), forced for every pair."""
-    return [AUTO, *(kind.value for kind in receiver_kinds())]
+    return KindChoices(AUTO)
 
 
 class DeviceLike(Protocol):

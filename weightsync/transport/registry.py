@@ -9,16 +9,20 @@ backend can do is asked of that class (its capability attributes), through the f
 outside this package names a kind.
 
 Backends are imported when first asked for (:func:`transport_class`), and their modules import
-their libraries lazily, so importing the package needs neither Mooncake nor CUDA.
+their libraries lazily, so importing the package needs neither Mooncake nor CUDA; this module
+itself imports no backend (nor torch), so a command line can be built from it cheaply
+(:class:`KindChoices`).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from weightsync.transport.base import Transport
+if TYPE_CHECKING:  # the classes are imported when asked for, not with the registry
+    from weightsync.transport.base import Transport
 
 _BACKENDS: dict[str, tuple[str, str, str | None]] = {
     # kind: (module, Transport subclass, availability probe or None: always available)
@@ -84,6 +88,33 @@ def receiver_kinds(device_type: str | None = None) -> list[TransportKind]:
         if cls.one_sided and not cls.same_process_only and (device_type is None or cls.serves(device_type)):
             out.append(kind)
     return out
+
+
+class KindChoices(Sequence[str]):
+    """``head``, then the kinds an engine receives through: the ``--transport`` choices of a command.
+
+    Computed when argparse first reads them (to print help, or to check a value given), so that
+    building a command line imports no backend, nor torch (``weightsync list`` stays light); give
+    the argument a ``metavar``, else argparse reads them when the argument is added.
+    """
+
+    def __init__(self, *head: str) -> None:
+        self._head = head
+        self._values: list[str] | None = None
+
+    def _all(self) -> list[str]:
+        if self._values is None:
+            self._values = [*self._head, *(kind.value for kind in receiver_kinds())]
+        return self._values
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
 
 def check_receiver(kind: TransportKind | str, device_type: str, *, name: str = "the transport") -> type[Transport]:
