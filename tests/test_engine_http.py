@@ -95,6 +95,28 @@ def test_routes_are_sglang_names(client: TestClient) -> None:
     assert served == set(ROUTES)
 
 
+def test_openapi_has_one_operation_id_per_operation() -> None:
+    """``serve --api-docs``: every (path, method) of the published OpenAPI has an operation id of
+    its own (clients generate one function per id), and FastAPI warns of no duplicate. The app is
+    only described here, so it is built without a running engine."""
+    import warnings
+    from collections import Counter
+
+    nothing: Any = None
+    app = build_app(ServerContext(scheduler=nothing, tokenizer=nothing, par=RolloutParallel(), server_info={},
+                                  api_docs=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI's "Duplicate Operation ID" is a UserWarning
+        spec = app.openapi()
+    ops = [(path, method, op["operationId"]) for path, item in spec["paths"].items() for method, op in item.items()]
+    twice = {i: n for i, n in Counter(i for _, _, i in ops).items() if n > 1}
+    assert not twice, twice
+    published = {(path, method.upper()) for path, method, _ in ops}
+    assert {("/generate", "POST"), ("/generate", "PUT"), ("/flush_cache", "GET"), ("/flush_cache", "POST"),
+            ("/weights_checker", "GET"), ("/weights_checker", "POST")} <= published
+    assert {path for path, _ in published} == set(ROUTES)
+
+
 def test_generate_shapes_and_version(client: TestClient) -> None:
     r = _gen(client, return_logprob=True, logprob_start_len=0)
     assert r.status_code == 200, r.text

@@ -371,7 +371,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     # -- generation --------------------------------------------------------------------------
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
+    # one route per method: FastAPI gives every method of one multi-method route the same operation id
+    @app.post("/generate")
+    @app.put("/generate")
     async def generate(request: Request) -> Any:
         body = await body_of(request, GenerateReqInput)
         t0 = time.perf_counter()
@@ -423,7 +425,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         await body_of(request, ContinueGenerationReqInput)
         return await run(sessions.resume)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache")
+    @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
         if request.method == "POST":
             await body_of(request, FlushCacheReqInput)
@@ -552,7 +555,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         body = await body_of(request, UpdateWeightFromDiskReqInput)
         return await run(sessions.update_from_disk, body.model_path, body.weight_version, session_of(request))
 
-    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    @app.get("/weights_checker")
+    @app.post("/weights_checker")
     async def weights_checker(request: Request) -> JSONResponse:
         body = await body_of(request, CheckWeightsReqInput)
         if body.rank is not None and not 0 <= body.rank < ctx.par.tp:
