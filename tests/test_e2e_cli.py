@@ -87,6 +87,8 @@ def test_skip_validation_over_mooncake(e2e_ckpt: Path, tmp_path: Path):
     run = run_cli(["run", "GLM-4.7-Flash", "--mode", "p2p", "--num-rollout", "1", "--transport", "mooncake"],
                   ckpt_dir=e2e_ckpt, log_dir=tmp_path, env={"SKIP_VALIDATION": "1"})
     assert_run_passed(run, modes=["p2p", "p2p"], equal_check="skipped")
+    step0 = next(line for line in run.output.splitlines() if line.startswith("step 0: "))
+    assert "validation skipped (check_weight_update_equal; SKIP_VALIDATION=1)" in step0, step0
     assert run.meta["transport"] == "mooncake"
     assert run.meta["engine_weights"] == ["dummy:GLM-4.7-Flash"]
     assert_bytes_exact(run, model_bytes("GLM-4.7-Flash"))

@@ -21,28 +21,82 @@ PHASES = ("pause", "pack", "wire", "barrier", "post_load", "resume")
 """The phases an update is split into, in order (``pack``/``wire`` are the slowest sender's)."""
 
 
-def _gb(n: float) -> float:
-    return n / 1e9
+PATHS = {
+    "p2p": "one-sided writes",
+    "group": "weight-update group",
+    "tensor": "colocated, update_weights_from_tensor",
+}
+"""What each update path is, as the console names it: p2p writes straight into the engines'
+parameters; broadcast goes through an NCCL/gloo weight-update group, or, colocated, hands full
+tensors over through ``/update_weights_from_tensor`` (``results.json`` keeps the key: ``path``)."""
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in the unit that fits (decimal: B, KB, MB, GB, TB), three significant digits."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_rate(bytes_per_s: float | None) -> str:
+    """A transfer rate in the unit that fits (KB/s, MB/s, GB/s); ``-`` when unknown."""
+    return "-" if bytes_per_s is None else fmt_bytes(bytes_per_s) + "/s"
+
+
+def _rate(nbytes: float, seconds: float) -> float | None:
+    return nbytes / seconds if seconds > 0 else None
+
+
+def verdict(validation: dict[str, str]) -> str:
+    """One word for a step's validation: ``pass``, ``FAIL``, or ``part skipped`` (every gate that
+    ran passed, one was skipped: ``SKIP_VALIDATION=1``'s check-weight-update-equal)."""
+    if not validation or any(v not in ("pass", "skipped") for v in validation.values()):
+        return "FAIL"
+    return "part skipped" if "skipped" in validation.values() else "pass"
+
+
+def step_line(record: dict[str, Any]) -> str:
+    """The console line of one step: mode and path, update time, bytes, validation (and what a
+    skipped gate means), the trainer's stats and any retried attempts."""
+    val = record.get("validation", {})
+    word = verdict(val)
+    if word == "part skipped":
+        skipped = ", ".join(k for k, v in val.items() if v == "skipped")
+        ran = ", ".join(k for k, v in val.items() if v == "pass")
+        shown = f"skipped ({skipped}; SKIP_VALIDATION=1)" + (f", {ran} pass" if ran else "")
+    else:
+        shown = word if word == "pass" else f"FAIL {val}"
+    t = record.get("train") or {}
+    trained = ""
+    if t.get("trainer") == "megatron":
+        trained = (f"; train loss {t['loss']:.4f}, mean reward {t['mean_reward']:.3f}, grad norm "
+                   f"{t['grad_norm']:.3g}, train/rollout logprob |d| {t['logprob_diff']:.3g}")
+    elif t:
+        trained = "; trainer synthetic (no learning)"
+    n = record.get("attempts", 1)
+    retried = f" (attempt {n}; earlier: {'; '.join(record['failed_attempts'])[:300]})" if n > 1 else ""
+    path = PATHS.get(record.get("path", ""), record.get("path", record["mode"]))
+    return (f"step {record['step']}: {record['mode']} ({path}) update {record['update_s'] * 1e3:.1f} ms{retried}, "
+            f"{fmt_bytes(record['bytes'])}, validation {shown}{trained}")
 
 
 def step_table(steps: Sequence[dict[str, Any]]) -> str:
-    """A readable table: one line per step."""
+    """A readable table: one line per step (bytes and rates in the unit that fits their size)."""
     head = (
         f"{'step':>4} {'mode':<9} {'update s':>9} "
         + " ".join(f"{p:>9}" for p in PHASES)
-        + f" {'GB':>8} {'GB/s':>8} {'validation':<12} {'logprob |d|':>11}"
+        + f" {'moved':>9} {'rate':>11} {'validation':<12} {'logprob |d|':>11}"
     )
     lines = [head, "-" * len(head)]
     for s in steps:
         ph = s.get("phases", {})
-        gbps = _gb(s["bytes"]) / s["update_s"] if s["update_s"] > 0 else 0.0
-        val = s.get("validation", {})
-        verdict = "pass" if val and all(v in ("pass", "skipped") for v in val.values()) else "FAIL"
         lp = s.get("logprob_max_abs_diff")
         lines.append(
             f"{s['step']:>4} {s['mode']:<9} {s['update_s']:>9.4f} "
             + " ".join(f"{ph.get(p, 0.0):>9.4f}" for p in PHASES)
-            + f" {_gb(s['bytes']):>8.4f} {gbps:>8.3f} {verdict:<12} "
+            + f" {fmt_bytes(s['bytes']):>9} {fmt_rate(_rate(s['bytes'], s['update_s'])):>11} "
+            + f"{verdict(s.get('validation', {})):<12} "
             + (f"{lp:>11.2e}" if lp is not None else f"{'-':>11}")
         )
     return "\n".join(lines)
@@ -67,24 +121,64 @@ def train_table(steps: Sequence[dict[str, Any]]) -> str:
 
 
 def summary(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Mean/min update time over the steps after the first (the first pays one-time costs)."""
-    times = [s["update_s"] for s in steps]
-    warm = times[1:] or times
+    """The run's figures, per mode: ``modes`` maps each mode that ran to its :func:`mode_figures`;
+    with both modes, ``p2p_speedup`` is broadcast's mean update time over p2p's. Validation over
+    every step (``validation_passed``, and each failure named)."""
     failed = [
         f"step {s['step']}: {k}: {v}"
         for s in steps
         for k, v in s.get("validation", {}).items()
         if v not in ("pass", "skipped")
     ]
-    return {
+    modes: dict[str, list[dict[str, Any]]] = {}
+    for s in steps:
+        modes.setdefault(str(s["mode"]), []).append(s)
+    out: dict[str, Any] = {
         "steps": len(steps),
-        "first_update_s": times[0] if times else None,
-        "mean_update_s": sum(warm) / len(warm) if warm else None,
-        "min_update_s": min(warm) if warm else None,
-        "bytes_per_update": steps[-1]["bytes"] if steps else 0,
+        "modes": {m: mode_figures(ss) for m, ss in modes.items()},
         "validation_passed": not failed,
         "validation_failures": failed,
     }
+    p2p, bc = out["modes"].get("p2p"), out["modes"].get("broadcast")
+    if p2p and bc and p2p["mean_update_s"]:
+        out["p2p_speedup"] = bc["mean_update_s"] / p2p["mean_update_s"]
+    return out
+
+
+def mode_figures(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's figures over its steps: time of its first update (which pays one-time costs:
+    buffers, groups, connections), then mean / median / min over the later ones (all of them when
+    there is only one), bytes put on links per update, and ``gbps``: GB (1e9 bytes) per second over
+    the later updates (their bytes over their time)."""
+    times = [float(s["update_s"]) for s in steps]
+    warm = steps[1:] or steps
+    warm_times = sorted(float(s["update_s"]) for s in warm)
+    mid = len(warm_times) // 2
+    median = warm_times[mid] if len(warm_times) % 2 else (warm_times[mid - 1] + warm_times[mid]) / 2
+    return {
+        "updates": len(steps),
+        "first_update_s": times[0],
+        "mean_update_s": sum(warm_times) / len(warm_times),
+        "median_update_s": median,
+        "min_update_s": warm_times[0],
+        "bytes_per_update": int(steps[-1]["bytes"]),
+        "gbps": _rate(sum(float(s["bytes"]) for s in warm) / 1e9, sum(warm_times)),
+    }
+
+
+def summary_text(s: dict[str, Any]) -> str:
+    """The console summary of :func:`summary`: one line per mode, and with both modes how they compare."""
+    lines = [f"summary: {s['steps']} updates, validation {'passed' if s['validation_passed'] else 'FAILED'}; "
+             "per mode, after its first update:"]
+    for mode, f in s["modes"].items():
+        lines.append(f"  {mode:<9} mean {f['mean_update_s']:.4f} s, median {f['median_update_s']:.4f} s "
+                     f"({f['updates']} updates, first {f['first_update_s']:.4f} s), "
+                     f"{fmt_bytes(f['bytes_per_update'])} per update, {fmt_rate(f['gbps'] and f['gbps'] * 1e9)}")
+    if "p2p_speedup" in s:
+        p2p, bc = s["modes"]["p2p"], s["modes"]["broadcast"]
+        share = f", {p2p['bytes_per_update'] / bc['bytes_per_update']:.2f}x the bytes" if bc["bytes_per_update"] else ""
+        lines.append(f"  p2p vs broadcast: {s['p2p_speedup']:.2f}x faster (mean update time){share}")
+    return "\n".join(lines)
 
 
 def write_results(log_dir: Path, meta: dict[str, Any], steps: Sequence[dict[str, Any]]) -> Path:
@@ -97,31 +191,59 @@ def write_results(log_dir: Path, meta: dict[str, Any], steps: Sequence[dict[str,
     return path
 
 
+MODE_HATCH = {"p2p": "", "broadcast": "//"}
+"""How a bar shows its mode in the plot: p2p plain, broadcast hatched (the colours are the phases)."""
+
+
+def phase_figure(steps: Sequence[dict[str, Any]], title: str) -> Any:
+    """A matplotlib figure of update time by phase per step: stacked bars coloured by phase, each
+    step's mode under its bar and, with several modes, a hatch per mode in the legend.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [s["step"] for s in steps]
+    hatches = [MODE_HATCH.get(str(s["mode"]), "..") for s in steps]
+    bottom = [0.0] * len(steps)
+    for p in PHASES:
+        vals = [s.get("phases", {}).get(p, 0.0) * 1e3 for s in steps]
+        bars = ax.bar(xs, vals, bottom=bottom, label=p)
+        for bar, hatch in zip(bars, hatches, strict=True):
+            bar.set_hatch(hatch)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_xticks(xs, [f"{s['step']}\n{s['mode']}" for s in steps])
+    ax.set_xlabel("step and mode")
+    ax.set_ylabel("update time (ms)")
+    ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
+    modes = list(dict.fromkeys(str(s["mode"]) for s in steps))
+    if len(modes) > 1:
+        for m in modes:
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch=MODE_HATCH.get(m, "..")))
+            labels.append(f"mode {m}")
+    ax.legend(handles, labels, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def plot_phases(log_dir: Path, steps: Sequence[dict[str, Any]], title: str) -> Path | None:
-    """A stacked bar chart of update time by phase per step, as ``update_phases.png``.
+    """:func:`phase_figure` saved as ``update_phases.png`` in ``log_dir``.
 
     Returns None (with a warning) when matplotlib is missing.
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
+        fig = phase_figure(steps, title)
         import matplotlib.pyplot as plt
     except ImportError:
         log.warning("matplotlib is not installed: no plot written")
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = [s["step"] for s in steps]
-    bottom = [0.0] * len(steps)
-    for p in PHASES:
-        vals = [s.get("phases", {}).get(p, 0.0) * 1e3 for s in steps]
-        ax.bar(xs, vals, bottom=bottom, label=p)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.set_xlabel("step")
-    ax.set_ylabel("update time (ms)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
     path = log_dir / "update_phases.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)

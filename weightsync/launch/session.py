@@ -32,7 +32,15 @@ from weightsync.launch.config import RunConfig
 from weightsync.launch.messages import Export, Memory, SetupUpdater, TrainStep, Update
 from weightsync.launch.placement import EngineEndpoint, LocalPlacement, Placement
 from weightsync.launch.procs import serve_argv
-from weightsync.launch.report import plot_phases, step_table, summary, train_table, write_results
+from weightsync.launch.report import (
+    plot_phases,
+    step_line,
+    step_table,
+    summary,
+    summary_text,
+    train_table,
+    write_results,
+)
 from weightsync.launch.trainer_worker import SYNTHETIC_LABEL, WorkerConfig
 from weightsync.launch.validate import (
     PARITY_PROMPTS,
@@ -446,9 +454,8 @@ class RunSession:
             print()
             print(train_table(self.steps))
         s = summary(self.steps)
-        print(f"\nsummary: {s['steps']} updates, mean {s['mean_update_s']:.4f} s after the first, "
-              f"{s['bytes_per_update'] / 1e6:.2f} MB per update, validation "
-              f"{'passed' if s['validation_passed'] else 'FAILED'}")
+        print()
+        print(summary_text(s))
         print(f"results: {path}" + (f", plot: {plot}" if plot else ""))
         return s
 
@@ -459,20 +466,7 @@ class RunSession:
         return {str(d): shard_dest_bytes(self.inputs.dest_layout(d)) for d in range(self.cfg.rollout.world_size)}
 
     def _print_step(self, record: dict[str, Any]) -> None:
-        val = record.get("validation", {})
-        ok = all(v in ("pass", "skipped") for v in val.values())
-        t = record.get("train") or {}
-        trained = ""
-        if t.get("trainer") == "megatron":
-            trained = (f"; train loss {t['loss']:.4f}, mean reward {t['mean_reward']:.3f}, grad norm "
-                       f"{t['grad_norm']:.3g}, train/rollout logprob |d| {t['logprob_diff']:.3g}")
-        elif t:
-            trained = "; trainer synthetic (no learning)"
-        n = record.get("attempts", 1)
-        retried = f" (attempt {n}; earlier: {'; '.join(record['failed_attempts'])[:300]})" if n > 1 else ""
-        print(f"step {record['step']}: {record['mode']} ({record.get('path', record['mode'])}) update "
-              f"{record['update_s'] * 1e3:.1f} ms{retried}, {record['bytes'] / 1e6:.2f} MB, validation "
-              f"{'pass' if ok else val}{trained}", flush=True)
+        print(step_line(record), flush=True)
 
 
 DERIVED_MLA = (".w_kc", ".w_vc")
