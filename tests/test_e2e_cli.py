@@ -186,12 +186,14 @@ def test_mismatched_engine_is_refused_before_any_byte(argv: list[str], named: st
 
 
 def test_unreachable_engine(e2e_ckpt: Path, tmp_path: Path):
+    """Exit 1 naming the engine; the run's log directory, empty, is not left behind."""
     url = f"http://127.0.0.1:{free_port()}"
     run = run_cli(["run", "Qwen3-4B", "--train", "tp=1,cp=1,world=1", "--rollout", "tp=1", "--num-rollout", "1",
-                   "--engine-urls", url], ckpt_dir=e2e_ckpt, log_dir=tmp_path)
+                   "--engine-urls", url], ckpt_dir=e2e_ckpt, log_dir=tmp_path / "logs" / "run")
     assert run.returncode == 1, run.describe()
     assert f"{url}/server_info: engine unreachable" in run.output
     _no_traceback(run)
+    assert not (tmp_path / "logs").exists()
 
 
 def test_run_updates_an_attached_engine(qwen_engine: str, e2e_ckpt: Path, tmp_path: Path):

@@ -63,6 +63,50 @@ def test_bad_run_input_is_one_line_and_exit_2(argv: list[str], env: dict[str, st
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize(("argv", "env", "named"), [
+    pytest.param([], {"CKPT_SAVE_DIR": "{file}"}, "CKPT_SAVE_DIR {file} is a file; point it at a directory",
+                 id="env-is-a-file"),
+    pytest.param([], {"CKPT_SAVE_DIR": "{file}/sub"}, "CKPT_SAVE_DIR {file}/sub cannot be created: {file} is a file",
+                 id="env-under-a-file"),
+    pytest.param(["--ckpt-dir", "{file}/sub/deeper"], {}, "--ckpt-dir {file}/sub/deeper cannot be created: {file} is "
+                 "a file", id="flag-under-a-file"),
+    # /proc takes no new files, even from root: a directory that exists and cannot be written
+    pytest.param([], {"CKPT_SAVE_DIR": "/proc/weightsync-ckpt"}, "CKPT_SAVE_DIR /proc/weightsync-ckpt: cannot write "
+                 "into /proc", id="unwritable-parent"),
+])
+def test_prepare_refuses_a_checkpoint_dir_it_cannot_write_in_one_line(
+        argv: list[str], env: dict[str, str], named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]):
+    """``prepare`` refuses as ``run`` does: one line naming the directory, exit 2, nothing written."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v.format(file=a_file))
+    assert main(["prepare", "Qwen3-4B", "--no-progress", *(a.format(file=a_file) for a in argv)]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("weightsync prepare: "), err
+    assert "\n" not in err.strip(), err
+    assert named.format(file=a_file) in err, err
+    assert out == "", "refused before anything is decided or written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_a_run_that_fails_leaves_no_empty_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]):
+    """The log directory is made before the run prepares its checkpoint; when the run fails (here:
+    no checkpoint at full scale, and a run never downloads), it and the parents it made are gone."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CKPT_SAVE_DIR", str(tmp_path / "ckpt"))
+    monkeypatch.delenv("MILES_LOG_DIR", raising=False)
+    assert main(["run", "Qwen3-4B", "--scale", "full"]) == 2
+    assert "no checkpoint of Qwen3-4B" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+    monkeypatch.setenv("MILES_LOG_DIR", str(tmp_path / "kept" / "a" / "b"))
+    (tmp_path / "kept").mkdir()
+    assert main(["run", "Qwen3-4B", "--scale", "full"]) == 2
+    assert list((tmp_path / "kept").iterdir()) == [], "the directories the run made are removed, not the others"
+
+
 def _truncate(path: Path, keep: int) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:keep])

@@ -50,15 +50,16 @@ def resolve(args: argparse.Namespace) -> PrepareConfig:
     ``--scale``, the scale (and, without ``--train``, the shards) of what ``run`` would run here.
 
     Raises:
-        ValueError: a bad ``--train``, or an environment variable that cannot be used.
+        ValueError: a bad ``--train``, an environment variable that cannot be used, or a checkpoint
+            directory that is a file or cannot be created or written (before anything is written).
     """
+    # The CLI layer resolves the environment through the launcher's single reader.
+    from weightsync.launch.config import env_settings, writable_dir
     from weightsync.models.fit import cuda_device_count, fit_profile, profile_sizes
 
     ckpt_dir = args.ckpt_dir
+    writable_dir(ckpt_dir or env_settings().ckpt_dir, "--ckpt-dir" if ckpt_dir is not None else "CKPT_SAVE_DIR")
     if ckpt_dir is None:
-        # The CLI layer resolves the environment through the launcher's single reader.
-        from weightsync.launch.config import env_settings
-
         ckpt_dir = env_settings().ckpt_dir
     scale, train = args.scale, profile_sizes(args.model, args.train)[0] if args.train else None
     if scale is None:
@@ -73,11 +74,17 @@ def resolve(args: argparse.Namespace) -> PrepareConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``weightsync prepare``; 0 on success, 2 on bad input (the message says what is wrong)."""
+    """Run ``weightsync prepare``; 0 on success, 2 on bad input or a checkpoint directory that
+    cannot be written (one line saying what is wrong)."""
     try:
         result = prepare(resolve(args))
     except (ValueError, FileExistsError) as exc:
         print(f"weightsync prepare: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the checkpoint directory became unwritable (a full disk, a read-only mount)
+        print(f"weightsync prepare: cannot write {exc.filename or 'the checkpoint directory'} ({exc.strerror or exc}); "
+              "point CKPT_SAVE_DIR (or --ckpt-dir) at a writable directory",
+              file=sys.stderr)
         return 2
     if result.synthetic:
         print("note: the HF checkpoint is SYNTHETIC (seeded random-init weights in the real layout); "

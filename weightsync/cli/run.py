@@ -14,6 +14,7 @@ rank 0 everything runs on this machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from dataclasses import fields
@@ -106,14 +107,9 @@ def resolve(args: argparse.Namespace, env: EnvSettings) -> RunConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    # the run loop imports torch (and the cluster Ray): imported here, as every command builds its
-    # parser from this module
-    from weightsync.launch.procs import TrainerError
-    from weightsync.launch.session import RunError, RunSession
-    from weightsync.launch.trainer_worker import SYNTHETIC_LABEL
-    from weightsync.sources.prepare import ensure_prepared, weights_label
-    from weightsync.sync.engine_client import EngineError
-
+    """Run ``weightsync run``: 0 when every update passed validation, 1 when the run failed or a
+    gate did, 2 on bad input, 130 when interrupted. A run that fails leaves no empty directory
+    behind (its log directory, where nothing was written into it, and the parents it created)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         env = env_settings()
@@ -129,6 +125,26 @@ def main(args: argparse.Namespace) -> int:
         except ClusterError as exc:
             print(f"weightsync run: {exc}", file=sys.stderr)
             return 1
+    created = missing_dirs(cfg.log_dir)
+    code = 1  # an exception on the way out is a failure too
+    try:
+        code = _run(cfg, env)
+    finally:
+        if code != 0:
+            drop_empty_dirs(cfg.log_dir, created)
+    return code
+
+
+def _run(cfg: RunConfig, env: EnvSettings) -> int:
+    """Node rank 0's part of ``main``: prepare (never a download), then the run; the exit status."""
+    # the run loop imports torch (and the cluster Ray): imported here, as every command builds its
+    # parser from this module
+    from weightsync.launch.procs import TrainerError
+    from weightsync.launch.session import RunError, RunSession
+    from weightsync.launch.trainer_worker import SYNTHETIC_LABEL
+    from weightsync.sources.prepare import ensure_prepared, weights_label
+    from weightsync.sync.engine_client import EngineError
+
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     try:
         hf_dir, torch_dist_dir = ensure_prepared(cfg.model, scale=cfg.scale, ckpt_dir=env.ckpt_dir, train=cfg.train,
@@ -171,3 +187,26 @@ def main(args: argparse.Namespace) -> int:
         print("weightsync run: interrupted; every process this run started is stopped", file=sys.stderr)
         return 130
     return 0 if summary["validation_passed"] else 1
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first."""
+    out: list[Path] = []
+    path = Path(path).absolute()
+    while not path.exists() and path.parent != path:
+        out.append(path)
+        path = path.parent
+    return out
+
+
+def drop_empty_dirs(log_dir: Path, created: list[Path]) -> None:
+    """Remove the empty directories a failed run leaves: those under ``log_dir``, then each of
+    ``created`` (deepest first) that is empty; a directory holding anything stays."""
+    log_dir = Path(log_dir)
+    if log_dir.is_dir():
+        for sub in sorted((d for d in log_dir.rglob("*") if d.is_dir()), key=lambda d: len(d.parts), reverse=True):
+            with contextlib.suppress(OSError):  # not empty
+                sub.rmdir()
+    for d in created:
+        with contextlib.suppress(OSError):  # not empty, or already gone
+            d.rmdir()
