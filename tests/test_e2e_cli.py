@@ -6,9 +6,11 @@ Contracts:
 * ``bash Qwen3-4B.sh p2p`` and ``... broadcast`` (the reference document's commands) prepare when
   the checkpoint is missing, run the embedded default, pass every gate (check-weight-update-equal
   on the first update, so broadcast's first update is checked too; checksums and logprob parity
-  on every update), and write ``results.json`` with the bytes each engine rank received.
-* ``SKIP_VALIDATION=1``: the engines start from dummy weights, the equality check is skipped,
-  and checksums pass from the first update on (here over Mooncake tcp, forced by the flag).
+  on every update), and write ``results.json`` with the bytes each engine rank received; arguments
+  after MODE reach ``run`` (the wrappers' usage and argument checks: ``tests/test_e2e_wrappers.py``).
+* ``SKIP_VALIDATION=1``: the engines start from dummy weights, the equality check is skipped (and
+  step 0's line says so), and checksums pass from the first update on (here over Mooncake tcp,
+  forced by the flag).
 * Bad input stops the run with a message naming it and without a traceback: unknown model or
   mode or a bad environment value (exit 2, nothing started); an unreachable engine, or an engine
   serving another model or layout (exit 1, before any byte is written: the engine's weights and
@@ -50,26 +52,17 @@ def _no_traceback(run: RunOutcome) -> None:
 # -- the documented wrappers ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["p2p", "broadcast"])
-def test_qwen3_4b_wrapper(mode: str, e2e_ckpt: Path, tmp_path: Path):
-    run = run_command(["bash", str(EXAMPLES / "Qwen3-4B.sh"), mode], ckpt_dir=e2e_ckpt, log_dir=tmp_path)
-    assert_run_passed(run, modes=[mode] * 4)  # the first update, then --num-rollout's default 3
+@pytest.mark.parametrize(("mode", "extra", "updates"), [
+    pytest.param("p2p", [], 4, id="p2p"),  # the first update, then --num-rollout's default 3
+    pytest.param("broadcast", ["--num-rollout", "1"], 2, id="broadcast-extra-args"),  # RUN_ARGS reach run
+])
+def test_qwen3_4b_wrapper(mode: str, extra: list[str], updates: int, e2e_ckpt: Path, tmp_path: Path):
+    run = run_command(["bash", str(EXAMPLES / "Qwen3-4B.sh"), mode, *extra], ckpt_dir=e2e_ckpt, log_dir=tmp_path)
+    assert_run_passed(run, modes=[mode] * updates)
     assert "validation passed" in run.output
     assert run.meta["embedded_default"]
     assert (run.meta["train"]["tp"], run.meta["rollout"]["tp"]) == (2, 2)
     assert_bytes_exact(run, model_bytes("Qwen3-4B"))
-
-
-def test_glm5_wrapper_refuses_an_unknown_variant(tmp_path: Path):
-    run = run_command(["bash", str(EXAMPLES / "GLM-5.sh"), "GLM-5_3layer", "p2p"], ckpt_dir=tmp_path,
-                      log_dir=tmp_path / "logs", timeout_s=60)
-    assert run.returncode == 1, run.describe()
-    assert "unknown variant 'GLM-5_3layer'" in run.output
-    usage = run_command(["bash", str(EXAMPLES / "GLM-5.sh")], ckpt_dir=tmp_path, log_dir=tmp_path / "logs",
-                        timeout_s=60)
-    assert usage.returncode != 0
-    assert "Usage" in usage.output
-    assert not any(tmp_path.iterdir()), "nothing may be prepared for a refused variant"
 
 
 def test_run_py_list(tmp_path: Path):

@@ -1,14 +1,19 @@
 #!/bin/bash
 # GLM-4.5-Air: 8 nodes, 32 train + 32 rollout GPUs
 # Usage: bash GLM-4.5-Air.sh [MODE] [NODE_RANK] [HEAD_NODE_IP] [RUN_ARGS...]
-#   MODE         : p2p (default) | broadcast
-#   NODE_RANK    : 0 (head, default) | 1..N (workers)
+#   MODE         : p2p (default) | broadcast | both (alternating, one run)
+#   NODE_RANK    : 0 (head, default) | 1..7 (workers; they need HEAD_NODE_IP)
 #   HEAD_NODE_IP : IP address of the head node (as the other nodes reach it); without it node 0
 #                  runs alone
-#   RUN_ARGS     : further `run.py run` options (e.g. --num-rollout 1)
+#   RUN_ARGS     : further `run.py run` options (e.g. --num-rollout 1); the first argument that
+#                  starts with "-" ends MODE / NODE_RANK / HEAD_NODE_IP
 # On nodes without the profile's GPUs this runs the embedded default (tiny, CPU): with HEAD_NODE_IP
 # the trainer on node 0 and one engine on each other node, else all on this machine.
+# Examples:
+#   bash GLM-4.5-Air.sh p2p --num-rollout 1                # node 0 alone
+#   bash GLM-4.5-Air.sh p2p 0 10.0.0.1                     # the head, at 10.0.0.1
+#   bash GLM-4.5-Air.sh p2p 1 10.0.0.1                     # node 1, joining that head
 set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${SCRIPT_DIR}/common.sh"
-prepare_and_run GLM-4.5-Air "${1:-p2p}" "${2:-0}" "${3:-}" "${@:4}"
+wrapper_main "${BASH_SOURCE[0]}" GLM-4.5-Air 8 "$@"
