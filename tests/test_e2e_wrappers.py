@@ -9,6 +9,10 @@ Contracts, for every wrapper:
 * Arguments after the positional ones reach ``run.py run`` unchanged; the Python the wrapper calls
   is ``PY`` (here a recorder, so no run starts).
 
+``run.py`` started by a Python without weightsync's dependencies (the system ``python3``, an
+empty environment) runs itself again with the repository's ``.venv``, or, without one, says in one
+line what to do (exit 2).
+
 A real run through a wrapper, with an extra argument, is in ``tests/test_e2e_cli.py``.
 """
 
@@ -129,3 +133,45 @@ def test_the_node_count_a_wrapper_checks_is_its_profiles(wrapper: str):
 @pytest.mark.parametrize("variant", ["GLM-5_4layer", "GLM-5_20layer", "GLM-5"])
 def test_glm5_node_counts_are_the_profiles(variant: str):
     assert f"    {variant}) NODES={get_profile(variant).num_nodes} ;;" in (EXAMPLES / "GLM-5.sh").read_text()
+
+
+# -- run.py with a Python that lacks the dependencies ---------------------------------------------
+
+
+def _bare_python() -> str:
+    """The system Python without weightsync's dependencies (what ``python3`` is outside the venv)."""
+    for candidate in ("/usr/bin/python3", "/bin/python3"):
+        if not Path(candidate).is_file():
+            continue
+        has = subprocess.run(["/usr/bin/env", "-i", candidate, "-c", "import httpx"], capture_output=True, check=False)
+        if has.returncode != 0:
+            return candidate
+    pytest.skip("no system Python without httpx here")
+
+
+def test_run_py_with_a_bare_python_runs_in_the_repos_venv():
+    if not (REPO_ROOT / ".venv" / "bin" / "python").is_file():
+        pytest.skip("no .venv at the repository root (scripts/setup.sh makes it)")
+    proc = subprocess.run(["/usr/bin/env", "-i", _bare_python(), str(EXAMPLES / "run.py"), "run", "--help"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "--mode" in proc.stdout
+    assert "ModuleNotFoundError" not in proc.stderr
+
+
+def test_run_py_without_a_venv_says_what_to_do_in_one_line(tmp_path: Path):
+    """A checkout without ``.venv`` (setup not run): one line naming what is missing and the set-up
+    command, exit 2, no traceback."""
+    copy = tmp_path / "repo" / "examples" / "infra_features" / "p2p_weight_transfer" / "run.py"
+    copy.parent.mkdir(parents=True)
+    copy.write_text((EXAMPLES / "run.py").read_text())
+    python = _bare_python()
+    proc = subprocess.run(["/usr/bin/env", "-i", python, str(copy), "run", "Qwen3-4B"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"run.py: this Python ({python}) lacks ")
+    assert "httpx" in lines[0]
+    assert "bash scripts/setup.sh" in lines[0]
+    assert ".venv/bin/python examples/infra_features/p2p_weight_transfer/run.py" in lines[0]
