@@ -133,7 +133,8 @@ def test_every_command_resolves_the_same_sizes(model, scale, train, rollout, wan
     ],
 )
 def test_every_command_refuses_the_same_way(train, rollout, named, tmp_path):
-    """The message names the key; a size error also quotes the profile the keys not given came from."""
+    """The message names the key; a size error also quotes the layout the keys make (what would run)
+    and the profile the keys not given came from."""
     from weightsync.cli.plan import resolve_parallel
     from weightsync.cli.prepare import resolve as resolve_prepare
 
@@ -151,7 +152,10 @@ def test_every_command_refuses_the_same_way(train, rollout, named, tmp_path):
         with pytest.raises(ValueError, match=re.escape(named)) as exc:
             call()
         if "divisible" in named:
-            assert "on Qwen3-30B-A3B's run profile (" in str(exc.value), (cmd, str(exc.value))
+            msg = str(exc.value)
+            made = "makes the trainer tp=3,pp=" if train else "makes the engines tp=2,ep=8,"
+            assert made in msg, (cmd, msg)
+            assert "(Qwen3-30B-A3B's run profile tp=" in msg, (cmd, msg)
 
 
 BASE = TrainParallel(world_size=32, tp=2, pp=4, cp=1, ep=2, etp=1, pp_last_stage_layers=5)

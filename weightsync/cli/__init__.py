@@ -11,21 +11,26 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "list": ("weightsync.cli.models", "list the models and their run profiles"),
-    "plan": ("weightsync.cli.plan", "compute (and verify) a transfer plan"),
-    "serve": ("weightsync.cli.serve", "start the built-in rollout engine"),
-    "prepare": ("weightsync.cli.prepare", "write the HF and trainer-sharded checkpoints"),
-    "run": ("weightsync.cli.run", "train and update rollout engines every step"),
-    "bench": ("weightsync.cli.bench", "transfer benchmarks"),
+from weightsync.cli.usage import OVERVIEW, USAGE, HelpFormatter, description, epilog
+
+SUBCOMMANDS: dict[str, str] = {
+    "list": "weightsync.cli.models",
+    "plan": "weightsync.cli.plan",
+    "serve": "weightsync.cli.serve",
+    "prepare": "weightsync.cli.prepare",
+    "run": "weightsync.cli.run",
+    "bench": "weightsync.cli.bench",
 }
+"""Sub-command -> its module; what each says in help is :data:`weightsync.cli.usage.USAGE`'s."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+    parser = argparse.ArgumentParser(prog="weightsync", description=OVERVIEW, formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        u = USAGE[name]
+        p = sub.add_parser(name, help=u.summary, description=description(name), epilog=epilog(name),
+                           formatter_class=HelpFormatter)
         p.set_defaults(_module=module)
         try:
             importlib.import_module(module).add_arguments(p)

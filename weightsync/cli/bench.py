@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout", default=DEFAULT_ROLLOUT,
                    help="engine sizes: tp=..,ep=..,dp=..,engines=.. replace the run profile's (\"\": the "
                         f"profile's) (default {DEFAULT_ROLLOUT})")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.BOTH.value)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where trainer and engine ranks run")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.BOTH.value, help="the modes measured")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, after one warm-up run")
     p.add_argument(
         "--placement",
@@ -52,9 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-gb", type=float, default=DEFAULT_BUCKET_GB,
                    help="staging / broadcast bucket size in GiB, 2**30 bytes, as BUCKET_SIZE_GB of run (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="seed of the weights' values")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck benchmark is stopped")
-    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--out", default=None, help="write the JSON record here (else it is printed as one BENCH_JSON "
+                   "line)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -82,11 +83,13 @@ def main(args: argparse.Namespace) -> int:
     summary["wall_s"] = time.perf_counter() - t0
     print(format_table(summary), flush=True)
     line = json.dumps(summary, sort_keys=True)
-    print("BENCH_JSON " + line, flush=True)
-    if args.out:
+    if args.out:  # the record goes to the file alone: it is several KB, not for the console
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(line + "\n")
+        print(f"results: {path}", flush=True)
+    else:
+        print("BENCH_JSON " + line, flush=True)
     if not summary["verified"]:
         print("weightsync bench: an engine rank's parameters differ from the expected values", file=sys.stderr)
         return 1

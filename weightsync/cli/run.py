@@ -30,7 +30,8 @@ from weightsync.transport import AUTO, run_choices
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registry model name (weightsync list)")
-    p.add_argument("--mode", default=Mode.P2P.value, help="p2p (default), broadcast, or both (alternating, one run)")
+    p.add_argument("--mode", default=Mode.P2P.value, metavar="{" + ",".join(Mode) + "}",
+                   help="p2p (default), broadcast, or both (alternating, one run)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this node's rank in a multi-node run (0 = the head, which runs the job; 1.. join it)")
     p.add_argument("--head-ip", default="",
@@ -50,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default=AUTO, choices=run_choices(), metavar="KIND",
                    help="p2p transport: %(choices)s (auto: the written policy over the placement; a kind: forced for "
                    "every pair)")
-    p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--prompts-per-step", type=int, default=4, help="prompts each engine generates for per step")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per sample")
     p.add_argument("--hf-checkpoint", type=Path, default=None,
                    help="HF checkpoint directory to run (its config.json gives the architecture and shapes; prepared "
                         "like `weightsync prepare --hf-checkpoint`); default: the one prepare recorded, else "

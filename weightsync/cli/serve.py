@@ -31,9 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="split the lm_head vocab over attention-TP instead of full TP (with --dp > 1)",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks compute")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=int, default=30000, help="HTTP port")
     parser.add_argument("--checkpoint", help="HF checkpoint directory (config.json + safetensors): the architecture "
                         "and shapes come from its config.json, the run profile from MODEL")
     parser.add_argument(
@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what /get_remote_instance_transfer_engine_info publishes: weightsync (sglang's pair plus the transport "
         "descriptor) or sglang (exactly what a real sglang server publishes; senders need --transport mooncake)",
     )
-    parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together")
+    parser.add_argument("--weight-version", default="default", help="the version /get_weight_version answers "
+                        "until an update publishes another")
     parser.add_argument("--dist-port", type=int, default=None, help="process-group rendezvous port (default: free)")
     parser.add_argument("--compute-dtype", default=None, help="activation dtype (default: float32 on cpu)")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank on cpu (default: 1)")
@@ -74,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline of joining a weight-update group and of one broadcast receive")
     parser.add_argument("--collective-timeout-s", type=float, default=300.0,
                         help="deadline of the engine's own collectives between its ranks")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 
 def _token(args: argparse.Namespace) -> str | None:

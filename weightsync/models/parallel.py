@@ -170,8 +170,8 @@ def override_train(base: TrainParallel, text: str | None, *, base_name: str = "t
 
     Raises:
         ValueError: a bad item (see :func:`parse_kv`), ``mla_rep`` not 0 or 1, ``world`` and
-            ``dp`` that disagree, or sizes that do not divide; the message quotes ``text`` and
-            the base's sizes.
+            ``dp`` that disagree, or sizes that do not divide; the message quotes ``text``, the
+            sizes it makes (the layout that would run) and the base's.
     """
     if not text or not text.strip():
         return base
@@ -189,14 +189,16 @@ def override_train(base: TrainParallel, text: str | None, *, base_name: str = "t
                              f"(tp*pp*cp*dp = {from_dp}); give one of them")
         world = from_dp
     default_etp = tp if etp_follows_tp else base.etp
-    last = kv.get("last", base.pp_last_stage_layers if pp == base.pp else None)
-    rep = bool(kv["mla_rep"]) if "mla_rep" in kv else base.mla_down_proj_replicated
+    sizes = {"world_size": world, "tp": tp, "pp": pp, "cp": cp, "ep": kv.get("ep", base.ep),
+             "etp": kv.get("etp", default_etp),
+             "pp_last_stage_layers": kv.get("last", base.pp_last_stage_layers if pp == base.pp else None),
+             "mla_down_proj_replicated": bool(kv["mla_rep"]) if "mla_rep" in kv else base.mla_down_proj_replicated}
     try:
-        return replace(base, world_size=world, tp=tp, pp=pp, cp=cp, ep=kv.get("ep", base.ep),
-                       etp=kv.get("etp", default_etp), pp_last_stage_layers=last, mla_down_proj_replicated=rep)
+        return replace(base, **sizes)
     except ValueError as exc:
-        raise ValueError(f"--train {text!r} on {base_name} ({train_text(base)}; keys not given keep these "
-                         f"values): {exc}") from None
+        # the layout that would run, then where the keys not given came from
+        raise ValueError(f"--train {text!r} makes the trainer {_train_sizes_text(**sizes)} ({base_name} "
+                         f"{train_text(base)} with the keys given replaced): {exc}") from None
 
 
 def override_rollout(base: RolloutParallel, text: str | None, *, base_name: str = "the base") -> RolloutParallel:
@@ -208,7 +210,7 @@ def override_rollout(base: RolloutParallel, text: str | None, *, base_name: str 
 
     Raises:
         ValueError: a bad item (see :func:`parse_kv`) or sizes that do not divide; the message
-            quotes ``text`` and the base's sizes.
+            quotes ``text``, the sizes it makes and the base's.
     """
     if not text or not text.strip():
         return base
@@ -217,16 +219,25 @@ def override_rollout(base: RolloutParallel, text: str | None, *, base_name: str 
     try:
         return replace(base, **fields)
     except ValueError as exc:
-        raise ValueError(f"--rollout {text!r} on {base_name} ({rollout_text(base)}; keys not given keep these "
-                         f"values): {exc}") from None
+        asked = {"tp": base.tp, "ep": base.ep, "dp": base.dp, "engines": base.num_engines, **kv}
+        raise ValueError(f"--rollout {text!r} makes the engines {','.join(f'{k}={v}' for k, v in asked.items())} "
+                         f"({base_name} {rollout_text(base)} with the keys given replaced): {exc}") from None
 
 
 def train_text(p: TrainParallel) -> str:
     """``p`` in the ``--train`` grammar, every key given (``override_train(b, train_text(p))`` is
     ``p`` for any base ``b`` with ``p``'s ``sequence_parallel``)."""
-    last = f",last={p.pp_last_stage_layers}" if p.pp_last_stage_layers is not None else ""
-    return (f"tp={p.tp},pp={p.pp},cp={p.cp},ep={p.ep},etp={p.etp},world={p.world_size}{last},"
-            f"mla_rep={int(p.mla_down_proj_replicated)}")
+    return _train_sizes_text(world_size=p.world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
+                             pp_last_stage_layers=p.pp_last_stage_layers,
+                             mla_down_proj_replicated=p.mla_down_proj_replicated)
+
+
+def _train_sizes_text(*, world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int,
+                      pp_last_stage_layers: int | None, mla_down_proj_replicated: bool) -> str:
+    """Sizes in the ``--train`` grammar, also those no :class:`TrainParallel` can hold."""
+    last = f",last={pp_last_stage_layers}" if pp_last_stage_layers is not None else ""
+    return (f"tp={tp},pp={pp},cp={cp},ep={ep},etp={etp},world={world_size}{last},"
+            f"mla_rep={int(mla_down_proj_replicated)}")
 
 
 def rollout_text(p: RolloutParallel) -> str:

@@ -16,8 +16,8 @@ In one run, on one machine, with the same model and the same processes:
 
 Every update is timed between barriers of all processes, after one warm-up run, ``--repeats``
 times; afterwards every engine rank compares its parameters bit for bit with the expected
-slicing of the global tensors. Prints a table and one ``BENCH_JSON {...}`` line; ``--out``
-writes the JSON to a file.
+slicing of the global tensors. Prints a table and one ``BENCH_JSON {...}`` line, or, with
+``--out``, writes that JSON to the file instead.
 
 The modules, in the order a benchmark uses them:
 

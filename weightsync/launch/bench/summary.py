@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightsync.launch.bench.config import BenchConfig
+from weightsync.launch.report import fmt_bytes, fmt_rate
 from weightsync.plan.records import Mode
 
 if TYPE_CHECKING:  # the worker imports torch; this module does not (the CLI imports it)
@@ -251,14 +252,14 @@ def _row(
         return format(x, spec) if x is not None else format("-", ">" + spec.split(".")[0])
 
     return (
-        f"{what:<34} {f(per_rx and per_rx / 1e9, '9.3f')} {total / 1e9:9.3f} {best:9.4f} {f(mean, '9.4f')} "
-        f"{f(first, '9.4f')} {f(gbps, '9.2f')}"
+        f"{what:<34} {fmt_bytes(per_rx) if per_rx else '-':>9} {fmt_bytes(total):>9} {best:9.4f} {f(mean, '9.4f')} "
+        f"{f(first, '9.4f')} {fmt_rate(gbps and gbps * 1e9):>11}"
     )
 
 
 def format_table(s: dict[str, Any]) -> str:
     """The human-readable table of a :func:`summarize` record."""
-    lines = [f"{'':<34} {'GB/recv':>9} {'GB total':>9} {'best s':>9} {'mean s':>9} {'first s':>9} {'GB/s':>9}"]
+    lines = [f"{'':<34} {'per recv':>9} {'total':>9} {'best s':>9} {'mean s':>9} {'first s':>9} {'rate':>11}"]
     lc = s["local_copy"]
     for key, label in (
         ("memmove", "copy in one process (memmove)"),
