@@ -3,6 +3,9 @@
 * ``prepare MODEL --hf-checkpoint DIR`` then ``run MODEL`` (both modes, one run): the run serves
   DIR's weights (``results.json`` ``meta.weights`` is ``checkpoint:DIR``), validation passes, and
   the engine after its updates computes what transformers computes with the trainer's weights.
+  The prepared copy is named by DIR's name, not the model's scale, and ``prepare``, ``run`` and
+  ``serve`` describe it alike: the checkpoint's name and its own dimensions, never the embedded
+  default's tiny scale.
 * ``run MODEL --hf-checkpoint DIR`` of a real-format block-fp8 checkpoint (float8 weights with
   ``weight_scale_inv``, DeepSeek-V3 architecture served as Kimi-K2): validation passes, the
   step-0 equality check comparing fp8 weights within one ULP per side.
@@ -62,7 +65,11 @@ def test_prepare_then_run_serves_the_checkpoint_and_matches_transformers(tmp_pat
                    ckpt_dir=ckpt, log_dir=tmp_path / "prep")
     assert prep.returncode == 0, prep.describe()
     assert f"weights: checkpoint:{src.resolve()}" in prep.output
-    hf_dir = ckpt / f"{family.model}_tiny"
+    hf_dir = ckpt / "downloaded"
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == \
+        ["datasets", "downloaded", "downloaded_torch_dist"]
+    described = "checkpoint downloaded (Qwen3MoeForCausalLM: 4 layers, hidden 40, 4 heads, vocab 130, 6 experts)"
+    assert f"model: {described}, run profile {family.model}" in prep.output, prep.output
     _, rollout = embedded_layout(family.model)  # what the run on this machine needs
     serve = [family.model, "--scale", "tiny", "--tp", str(rollout.tp), "--ep", str(rollout.ep), "--dp",
              str(rollout.dp), *(["--enable-dp-lm-head"] if rollout.dp_lm_head else []), "--transport", "shm",
@@ -73,7 +80,12 @@ def test_prepare_then_run_serves_the_checkpoint_and_matches_transformers(tmp_pat
         assert_run_passed(run, modes=["p2p", "broadcast"])
         assert run.meta["weights"] == f"checkpoint:{src.resolve()}"
         assert "SYNTHETIC" not in run.output
+        assert f"model: {described}" in run.output
+        assert run.meta["model_description"] == f"{described}, run profile {family.model}"
         got = {tuple(p): _engine_prompt_logprobs(url, list(p)) for p in PROMPTS}
+    assert f"serving {described}" in (tmp_path / "engine.log").read_text()
+    for out in (prep.output, run.output):
+        assert "tiny scale" not in out, out
     spec = model_spec(family.model, "tiny", checkpoint=hf_dir, dtype="float32")
     read = reference_global_tensors(hf_dir, spec, step=1, seed=SEED)
     stepped = tmp_path / "step1"

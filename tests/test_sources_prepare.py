@@ -57,6 +57,54 @@ def test_output_names(scale, name):
     assert prep.output_name("M", scale) == name
 
 
+@pytest.mark.parametrize(("given", "scale", "name"), [
+    pytest.param("/models/my-qwen", "tiny", "my-qwen", id="tiny"),
+    pytest.param("/models/my-qwen/", "full", "my-qwen", id="full-trailing-slash"),
+    pytest.param("/models/my-qwen", "layers=2", "my-qwen_2layer", id="layers"),
+    pytest.param("/x/datasets", "tiny", "datasets_checkpoint", id="not-the-prompts-folder"),
+])
+def test_a_given_checkpoint_is_named_by_its_directory(given, scale, name):
+    assert prep.given_name(given, scale) == name
+
+
+def test_given_checkpoint_output_is_its_own_and_stays_the_models_until_another_is_given(tmp_path):
+    """``prepare --hf-checkpoint DIR`` writes ``<ckpt>/<DIR's name>`` (never ``MODEL_tiny``), and a
+    later ``prepare`` (or ``run``) of the model without one uses that copy again, even where a
+    synthetic ``MODEL_tiny`` was there first; a newer given checkpoint takes its place."""
+    synthetic = prep.prepare(_cfg(tmp_path), say=lambda s: None)
+    assert synthetic.synthetic
+    src = tmp_path / "my-qwen-moe"
+    tensors = _real_checkpoint(src, seed=5)
+    given = prep.prepare(_cfg(tmp_path, hf_checkpoint=src), say=lambda s: None)
+    assert (given.paths.hf.name, given.paths.torch_dist.name) == ("my-qwen-moe", "my-qwen-moe_torch_dist")
+    again = prep.prepare(_cfg(tmp_path), say=lambda s: None)
+    assert again.paths.hf == given.paths.hf
+    assert not again.synthetic
+    assert again.actions["hf"] == "skipped (recorded)"
+    hf, torch_dist = prep.ensure_prepared(MODEL, scale="tiny", ckpt_dir=tmp_path / "ckpt", train=TRAIN, progress=False)
+    assert (hf, torch_dist) == (given.paths.hf, given.paths.torch_dist)
+    back = read_global_tensors(torch_dist, get_model(MODEL, "tiny"), TRAIN)
+    assert torch.equal(back["model.norm.weight"], tensors["model.norm.weight"])
+    other = tmp_path / "other-moe"
+    _real_checkpoint(other, seed=6)
+    prep.prepare(_cfg(tmp_path, hf_checkpoint=other), say=lambda s: None)
+    assert prep.ensure_prepared(MODEL, scale="tiny", ckpt_dir=tmp_path / "ckpt", train=TRAIN,
+                                progress=False)[0].name == "other-moe"
+    assert f"{MODEL}_tiny" in _listing(tmp_path / "ckpt"), "the synthetic output is kept, not overwritten"
+
+
+def test_describe_model_names_a_checkpoint_by_itself(tmp_path):
+    from weightsync.models.resolve import describe_model, model_spec
+
+    assert describe_model(get_model(MODEL, "tiny")) == \
+        f"{MODEL} at tiny scale (4 layers, hidden 64, 4 heads, vocab 300, 8 experts)"
+    src = tmp_path / "my-qwen-moe"
+    _real_checkpoint(src)
+    spec = model_spec(MODEL, "layers=2", checkpoint=src)
+    assert describe_model(spec, src) == (f"checkpoint my-qwen-moe (Qwen3MoeForCausalLM: 2 layers, hidden 64, 4 heads, "
+                                         f"vocab 300, 8 experts; its first 2 layers), run profile {MODEL}")
+
+
 def test_mla_embedded_default_shards_keep_down_projections_whole(tmp_path):
     """Kimi-K2's embedded default (train TP 2, duplicated MLA down projections): prepare writes its
     shards, and each rank reads the whole down projections back."""
@@ -131,6 +179,7 @@ def test_recorded_checkpoint_is_reused_not_replaced_by_synthetic(tmp_path):
     tensors = _real_checkpoint(src, seed=11)
     first = prep.prepare(_cfg(tmp_path, hf_checkpoint=src), say=lambda s: None)
     assert first.weights == f"checkpoint:{src.resolve()}"
+    assert first.paths.hf.name == "downloaded"
     again = prep.prepare(_cfg(tmp_path), say=lambda s: None)  # no --hf-checkpoint: what prepare recorded
     assert not again.synthetic
     assert again.actions == {"hf": "skipped (recorded)", "torch_dist": "skipped (complete)",
@@ -241,7 +290,8 @@ def test_cli_uses_ckpt_save_dir_and_reports_errors(tmp_path, monkeypatch, capsys
     assert "SYNTHETIC" in capsys.readouterr().out
     rc = prepare_cli.main(parser.parse_args([MODEL, "--scale", "tiny", "--train", "tp=3", "--no-progress"]))
     assert rc == 2
-    assert "--train 'tp=3' on Qwen3-30B-A3B's run profile" in (err := capsys.readouterr().err)
+    assert "--train 'tp=3' makes the trainer tp=3,pp=1,cp=1,ep=8,etp=1,world=16" in (err := capsys.readouterr().err)
+    assert "(Qwen3-30B-A3B's run profile tp=" in err
     assert "not divisible by tp*pp*cp = 3" in err
 
 

@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from weightsync.sources.prepare import PrepareConfig, prepare
+from weightsync.models.resolve import describe_model
+from weightsync.sources.prepare import PrepareConfig, prepare, recorded_given
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +64,8 @@ def resolve(args: argparse.Namespace) -> PrepareConfig:
         ckpt_dir = env_settings().ckpt_dir
     scale, train = args.scale, profile_sizes(args.model, args.train)[0] if args.train else None
     if scale is None:
-        fit = fit_profile(args.model, cuda_device_count(), multi_node=bool(args.head_ip))
+        own = args.hf_checkpoint is not None or recorded_given(ckpt_dir, args.model, "tiny") is not None
+        fit = fit_profile(args.model, cuda_device_count(), multi_node=bool(args.head_ip), checkpoint=own)
         if fit.note:
             print(fit.note)
         scale, train = fit.scale, train or fit.train
@@ -86,6 +88,7 @@ def main(args: argparse.Namespace) -> int:
               "point CKPT_SAVE_DIR (or --ckpt-dir) at a writable directory",
               file=sys.stderr)
         return 2
+    print(f"model: {describe_model(result.spec, None if result.synthetic else result.paths.hf)}")
     if result.synthetic:
         print("note: the HF checkpoint is SYNTHETIC (seeded random-init weights in the real layout); "
               "pass --hf-checkpoint DIR to use real weights")

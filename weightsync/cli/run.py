@@ -23,6 +23,7 @@ from pathlib import Path
 from weightsync.launch.cluster import ClusterError
 from weightsync.launch.config import Deadlines, EnvSettings, RunConfig, env_settings
 from weightsync.launch.resolve import RunRequest, resolve_run
+from weightsync.models.resolve import describe_model, model_spec
 from weightsync.plan.records import Mode
 from weightsync.proc import stop_on_signals
 from weightsync.transport import AUTO, run_choices
@@ -162,15 +163,18 @@ def _run(cfg: RunConfig, env: EnvSettings) -> int:
     weights = weights_label(hf_dir)
     print(f"trainer: {SYNTHETIC_LABEL if cfg.trainer == 'synthetic' else 'megatron-core GRPO'}; placement "
           f"{cfg.placement}", flush=True)
-    print(f"model {cfg.model} ({cfg.scale}), mode {cfg.mode}, {cfg.device}; checkpoint {hf_dir}; weights "
-          f"{'SYNTHETIC (seeded random-init, not a trained model)' if weights == 'synthetic' else weights}; "
-          f"logs {cfg.log_dir}", flush=True)
     try:
         # the checkpoint's own shapes against the layouts, before any process starts
         session = RunSession(cfg, hf_dir=hf_dir, torch_dist_dir=torch_dist_dir) if cfg.cluster is None else None
+        spec = session.spec if session is not None else model_spec(cfg.model, cfg.scale, checkpoint=hf_dir,
+                                                                   dtype=cfg.dtype)
     except ValueError as exc:
         print(f"weightsync run: {exc}", file=sys.stderr)
         return 2
+    print(f"model: {describe_model(spec, None if weights == 'synthetic' else hf_dir)}; mode {cfg.mode}, "
+          f"{cfg.device}; checkpoint {hf_dir}; weights "
+          f"{'SYNTHETIC (seeded random-init, not a trained model)' if weights == 'synthetic' else weights}; "
+          f"logs {cfg.log_dir}", flush=True)
     stop_on_signals()
     try:
         if session is not None:

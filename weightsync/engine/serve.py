@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.engine.config import ServeConfig
+from weightsync.models.resolve import describe_model
 from weightsync.proc import die_with_parent, free_port
 from weightsync.transport.config import NONE
 from weightsync.transport.registry import remove_leftovers
@@ -209,9 +210,9 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
             )
         )
         logger.info(
-            "serving %s (scale %s, tp %d dp %d ep %d%s%s, %s) on http://%s:%d",
-            cfg.model,
-            cfg.scale,
+            "serving %s%s (tp %d dp %d ep %d%s%s, %s) on http://%s:%d",
+            describe_model(engine.spec, cfg.checkpoint),
+            ", dummy weights" if cfg.load_format == "dummy" else "",
             par.tp,
             par.dp,
             par.ep,

@@ -37,6 +37,7 @@ from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.models.profiles import get_profile
 from weightsync.models.profiles_base import RunProfile
 from weightsync.plan.records import Mode
+from weightsync.sources.prepare import recorded_given
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +110,9 @@ def resolve_run(req: RunRequest, env: EnvSettings, *, say: Callable[[str], None]
         raise ValueError(f"--node-rank {req.node_rank}: {req.model}'s profile runs on one node; run it there "
                          "without --node-rank")
     have = cuda_device_count()
-    sizes = _sizes(req, have, multi_node=multi_node, say=say)
+    # a checkpoint of the user's, given or recorded by prepare for the embedded default's scale
+    own = req.hf_checkpoint is not None or recorded_given(env.ckpt_dir, req.model, "tiny") is not None
+    sizes = _sizes(req, have, multi_node=multi_node, own_checkpoint=own, say=say)
     num_nodes = profile.num_nodes if multi_node else 1
     nodes = None
     if multi_node:
@@ -132,16 +135,18 @@ def resolve_run(req: RunRequest, env: EnvSettings, *, say: Callable[[str], None]
                      update_retries=req.update_retries, deadlines=req.deadlines)
 
 
-def _sizes(req: RunRequest, have: int, *, multi_node: bool, say: Callable[[str], None]) -> _Sizes:
+def _sizes(req: RunRequest, have: int, *, multi_node: bool, own_checkpoint: bool, say: Callable[[str], None]
+           ) -> _Sizes:
     """Device, scale and parallel sizes: the request's over the profile's, or the profile fitted to
-    this machine (the embedded default where it does not fit)."""
+    this machine (the embedded default where it does not fit; ``own_checkpoint``: its note speaks
+    of the layout only, the model being the user's checkpoint)."""
     if any(x is not None for x in (req.scale, req.train, req.rollout, req.device)):
         device = req.device or ("cuda" if have else "cpu")
         train, rollout = profile_sizes(req.model, req.train, req.rollout)
         sizes = _Sizes(device=device, scale=req.scale or ("full" if device == "cuda" else "tiny"), train=train,
                        rollout=rollout, embedded=False)
     else:
-        fit = fit_profile(req.model, have, multi_node=multi_node)
+        fit = fit_profile(req.model, have, multi_node=multi_node, checkpoint=own_checkpoint)
         if fit.note and req.node_rank == 0:
             say(fit.note)
         sizes = _Sizes(device=fit.device, scale=fit.scale, train=fit.train, rollout=fit.rollout,

@@ -51,7 +51,7 @@ from weightsync.launch.validate import (
 )
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
-from weightsync.models.resolve import model_spec
+from weightsync.models.resolve import describe_model, model_spec
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
 from weightsync.sync.engine_client import EngineClient, EngineError
@@ -436,7 +436,9 @@ class RunSession:
         # the updaters' buffers that the first updates allocate (colocated broadcast, verification)
         self._memory["trainer_ranks"] = self.procs.command(Memory())
         print(_memory_line(self._memory, "after the updates"), flush=True)
+        synthetic = _is_synthetic(self.hf_dir)
         meta = {"model": self.cfg.model, "scale": self.cfg.scale, "mode": self.cfg.mode, "device": self.cfg.device,
+                "model_description": describe_model(self.spec, None if synthetic else self.hf_dir),
                 "trainer": SYNTHETIC_LABEL if self.cfg.trainer == "synthetic" else "megatron (megatron-core GRPO)",
                 "gpu_placement": self.cfg.placement, "memory_bytes": self._memory,
                 "checkpoint": str(self.hf_dir), "weights": weights_label(self.hf_dir), "dtype": self.cfg.dtype,
@@ -447,7 +449,8 @@ class RunSession:
                 "placement": {**self.procs.describe(),
                               "engine_sessions": [i["session_id"] for _, i in sorted((self._infos or {}).items())]}}
         path = write_results(self.cfg.log_dir, meta, self.steps)
-        plot = plot_phases(self.cfg.log_dir, self.steps, f"{self.cfg.model} ({self.cfg.scale}) {self.cfg.mode}")
+        what = f"{self.cfg.model} ({self.cfg.scale})" if synthetic else f"{self.hf_dir.name} ({self.cfg.model} profile)"
+        plot = plot_phases(self.cfg.log_dir, self.steps, f"{what} {self.cfg.mode}")
         print()
         print(step_table(self.steps))
         if self.cfg.trainer == "megatron":

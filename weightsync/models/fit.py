@@ -81,7 +81,7 @@ def embedded_layout(model: str, num_nodes: int = 1) -> tuple[TrainParallel, Roll
     return train, rollout
 
 
-def fit_profile(model: str, num_gpus: int, *, multi_node: bool = False) -> Fit:
+def fit_profile(model: str, num_gpus: int, *, multi_node: bool = False, checkpoint: bool = False) -> Fit:
     """The profile as is when this node has its GPUs, else the embedded default.
 
     Args:
@@ -92,6 +92,9 @@ def fit_profile(model: str, num_gpus: int, *, multi_node: bool = False) -> Fit:
             other nodes' are checked when the run places its ranks); the embedded default then
             spans the profile's nodes too. Otherwise everything must fit on this machine and a
             multi-node profile runs the embedded default here alone.
+        checkpoint: the command was given a checkpoint of the user's (``--hf-checkpoint``): the
+            model is that checkpoint, so the note speaks of the embedded default's layout only,
+            not of its tiny registry shapes.
     """
     profile = get_profile(model)
     needed = profile.num_train_gpus + profile.num_rollout_gpus
@@ -104,10 +107,11 @@ def fit_profile(model: str, num_gpus: int, *, multi_node: bool = False) -> Fit:
     train, rollout = embedded_layout(model, nodes)
     where = (f"this node has {num_gpus}" if multi_node and profile.num_nodes > 1 else f"this machine has {num_gpus}")
     span = (f" over {nodes} nodes: trainer on node 0, one engine on each other node" if nodes > 1 else "")
-    note = (f"{model}: the profile needs {needed} GPUs on {profile.num_nodes} node(s), {where}: "
-            f"running the embedded default ({get_model(model).family} family, tiny scale, CPU{span}, "
-            f"train TP {train.tp}/EP {train.ep}/DP {train.dp} -> "
-            f"engine TP {rollout.tp}/EP {rollout.ep}/DP {rollout.dp}).")
+    layout = (f"train TP {train.tp}/EP {train.ep}/DP {train.dp} -> engine TP {rollout.tp}/EP {rollout.ep}/"
+              f"DP {rollout.dp}")
+    what = (f"the embedded default's layout on CPU{span} ({layout}) with the given checkpoint" if checkpoint else
+            f"the embedded default ({get_model(model).family} family, tiny scale, CPU{span}, {layout})")
+    note = f"{model}: the profile needs {needed} GPUs on {profile.num_nodes} node(s), {where}: running {what}."
     return Fit(scale="tiny", device="cpu", train=train, rollout=rollout, embedded=True, note=note, num_nodes=nodes)
 
 

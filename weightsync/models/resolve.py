@@ -10,7 +10,9 @@ architecture of its registry entry). Without a checkpoint the registry's shapes 
 the ones weights are synthesized for.
 
 Scales with a checkpoint: ``layers=N`` serves its first N layers; ``full`` and ``tiny`` serve it
-as it is (the scale then only labels the run and names its prepared directory).
+as it is (the scale then only labels the run). :func:`describe_model` is how every command names
+what it serves or trains: a checkpoint by its directory and its own dimensions, registry shapes by
+model and scale.
 
 Typical usage::
 
@@ -116,3 +118,17 @@ def model_spec(model: str, scale: str = "full", *, checkpoint: str | Path | None
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     return spec.replace(scale=scale)
+
+
+def describe_model(spec: ModelSpec, checkpoint: str | Path | None = None) -> str:
+    """What a command serves or trains, in words: ``checkpoint my-qwen (Qwen3ForCausalLM: 3
+    layers, hidden 48, 6 heads, vocab 120), run profile Qwen3-4B`` for a checkpoint (named by its
+    directory; ``spec`` is its own, from :func:`model_spec`), else ``Qwen3-4B at tiny scale (...)``
+    for the registry's shapes (synthetic weights)."""
+    dims = (f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads, "
+            f"vocab {spec.vocab_size}" + (f", {spec.num_experts} experts" if spec.num_experts else ""))
+    if checkpoint is None:
+        return f"{spec.name} at {spec.scale} scale ({dims})"
+    kind, n = parse_scale(spec.scale)
+    first = f"; its first {n} layers" if kind == "layers" else ""
+    return f"checkpoint {Path(checkpoint).name} ({spec.hf_architecture}: {dims}{first}), run profile {spec.name}"

@@ -2,7 +2,9 @@
 prompt data of a run, under one checkpoint directory.
 
 Outputs, for ``<name>`` = ``MODEL`` at full scale, ``MODEL_tiny`` at tiny scale and
-``MODEL_<N>layer`` at ``layers=N`` (the reference system's ``GLM-5_4layer`` style)::
+``MODEL_<N>layer`` at ``layers=N`` (the reference system's ``GLM-5_4layer`` style), and for a
+checkpoint of the user's (``--hf-checkpoint DIR``) its own directory's name (``DIR``'s name, with
+``_<N>layer`` at ``layers=N``: :func:`given_name`)::
 
     <ckpt>/<name>/               HF checkpoint: config.json + *.safetensors
     <ckpt>/<name>_torch_dist/    Megatron torch_dist checkpoint (weightsync.sources.torch_dist)
@@ -14,11 +16,13 @@ reads the environment).
 
 The HF checkpoint, first found of:
 
-1. ``--hf-checkpoint DIR`` (checked, then hard-linked or copied; used in place when it already is
-   ``<ckpt>/<name>``);
+1. ``--hf-checkpoint DIR`` (checked, then hard-linked or copied to ``<ckpt>/<DIR's name>``; used in
+   place when it already is that directory); the model's name at the scale then points at it
+   (``<ckpt>/.<MODEL_scale name>.given``), so that a later ``prepare`` or ``run`` of the model
+   without ``--hf-checkpoint`` uses it again (``run`` after ``prepare --hf-checkpoint DIR`` serves
+   DIR's weights);
 2. what an earlier ``prepare`` recorded at ``<ckpt>/<name>`` (a copy of a real checkpoint is
-   reused as such: ``run`` after ``prepare --hf-checkpoint DIR`` serves DIR's weights), or an HF
-   checkpoint put there by hand (used in place);
+   reused as such), or an HF checkpoint put there by hand (used in place);
 3. at ``full`` / ``layers=N`` scale, the run profile's Hugging Face repository (``Qwen/Qwen3-4B``
    ...), fetched through ``huggingface_hub`` into its cache (:mod:`weightsync.sources.hub`; only
    ``prepare`` fetches, ``run`` never does); when the hub cannot be reached and nothing is cached,
@@ -82,12 +86,45 @@ def output_name(model: str, scale: str) -> str:
     return {"full": model, "tiny": f"{model}_tiny"}.get(kind, f"{model}_{n}layer")
 
 
-def checkpoint_paths(ckpt_dir: str | Path, model: str, scale: str) -> CheckpointPaths:
-    """The output paths of ``model`` at ``scale`` under ``ckpt_dir``."""
+def given_name(checkpoint: str | Path, scale: str) -> str:
+    """The output name of a checkpoint of the user's: its directory's name, ``_<N>layer`` added at
+    ``layers=N`` (never ``datasets``, the prompt data's folder)."""
+    name = Path(checkpoint).resolve().name
+    name = f"{name}_checkpoint" if name == "datasets" else name
+    kind, n = parse_scale(scale)
+    return f"{name}_{n}layer" if kind == "layers" else name
+
+
+def checkpoint_paths(ckpt_dir: str | Path, model: str, scale: str, *, name: str | None = None) -> CheckpointPaths:
+    """The output paths of ``model`` at ``scale`` under ``ckpt_dir`` (``name``: a checkpoint of the
+    user's, :func:`given_name`; default :func:`output_name`)."""
     root = Path(ckpt_dir)
-    name = output_name(model, scale)
+    name = name or output_name(model, scale)
     return CheckpointPaths(root=root, hf=root / name, torch_dist=root / f"{name}_torch_dist",
                            datasets=root / "datasets")
+
+
+def _given_record(ckpt_dir: Path, model: str, scale: str) -> Path:
+    """Where the name of the checkpoint last given for ``model`` at ``scale`` is kept."""
+    return Path(ckpt_dir) / f".{output_name(model, scale)}.given"
+
+
+def recorded_given(ckpt_dir: str | Path, model: str, scale: str) -> str | None:
+    """The output name of the checkpoint an earlier ``prepare --hf-checkpoint`` of ``model`` at
+    ``scale`` wrote, while that directory exists; else None."""
+    record = _given_record(Path(ckpt_dir), model, scale)
+    try:
+        name = record.read_text().strip()
+    except OSError:  # none recorded
+        return None
+    return name if name and (Path(ckpt_dir) / name).is_dir() else None
+
+
+def _record_given(ckpt_dir: Path, model: str, scale: str, name: str) -> None:
+    record = _given_record(ckpt_dir, model, scale)
+    tmp = record.with_name(f"{record.name}.tmp")
+    tmp.write_text(name + "\n")
+    tmp.replace(record)
 
 
 def _profile_mla_rep(model: str) -> bool:
@@ -222,7 +259,9 @@ def prepare(cfg: PrepareConfig, *, say: Callable[[str], None] = print) -> Prepar
     """
     from weightsync.layout.megatron import check_trainer_config
 
-    paths = checkpoint_paths(cfg.ckpt_dir, cfg.model, cfg.scale)
+    given = (given_name(cfg.hf_checkpoint, cfg.scale) if cfg.hf_checkpoint is not None
+             else recorded_given(cfg.ckpt_dir, cfg.model, cfg.scale))
+    paths = checkpoint_paths(cfg.ckpt_dir, cfg.model, cfg.scale, name=given)
     source = _resolve_hf_source(cfg, paths, say)
     spec = _source_spec(cfg, paths, source)  # validates a checkpoint before anything is written
     train = None if cfg.download_only else (cfg.train or default_train(spec))
@@ -232,6 +271,8 @@ def prepare(cfg: PrepareConfig, *, say: Callable[[str], None] = print) -> Prepar
     prompts = _load_prompt_records(prompt_source)
     actions: dict[str, str] = {}
     hf_identity, actions["hf"] = _prepare_hf(cfg, spec, paths, source, say)
+    if cfg.hf_checkpoint is not None:
+        _record_given(paths.root, cfg.model, cfg.scale, paths.hf.name)
     if train is not None:
         actions["torch_dist"] = _prepare_torch_dist(cfg, spec, paths, train, hf_identity, say)
     prompt_file, actions["prompts"] = _write_prompts(paths, prompt_source, prompts)
