@@ -10,6 +10,7 @@
 #   PYTHON           interpreter for the venv (default: python3.11, else python3 if >= 3.11)
 #   TORCH_INDEX_URL  pip index for torch (e.g. a CPU wheel index on machines without a local wheel)
 #   WEIGHTSYNC_EXTRAS  extras to install (default: test; e.g. "test,dev" for ruff too)
+#   SETUP_PROGRESS_S   seconds between the progress lines of the pip installs (default 10)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,10 +32,36 @@ die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 # Run a command with its output in $LOG; on failure show the end of it and stop.
 quiet() {
     if ! "$@" >>"$LOG" 2>&1; then
-        printf '[setup] ERROR: command failed: %s\n--- last lines of %s ---\n' "$*" "$LOG" >&2
-        tail -n 40 "$LOG" >&2
-        exit 1
+        failed "$*"
     fi
+}
+
+failed() {
+    printf '[setup] ERROR: command failed: %s\n--- last lines of %s ---\n' "$1" "$LOG" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+}
+
+PROGRESS_S="${SETUP_PROGRESS_S:-10}"
+# Run a pip command as quiet does, and while it runs print every PROGRESS_S seconds how long it has
+# been at it, how many packages it has collected, and its latest step (pip's own line).
+with_progress() {
+    local what="$1" mark pid start last now
+    shift
+    mark=$(($(wc -l <"$LOG") + 1))
+    "$@" >>"$LOG" 2>&1 &
+    pid=$!
+    start=$SECONDS
+    last=$SECONDS
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+        if ((SECONDS - last >= PROGRESS_S)) && kill -0 "$pid" 2>/dev/null; then
+            last=$SECONDS
+            now="$(tail -n "+$mark" "$LOG" | grep -E '^ *(Collecting|Downloading|Processing|Building|Installing|Obtaining|Preparing|Using cached)' | tail -n 1 | sed 's/^ *//' | cut -c1-90 || true)"
+            log "$what: $((SECONDS - start)) s, $(tail -n "+$mark" "$LOG" | grep -c '^Collecting' || true) packages collected${now:+; now: $now}"
+        fi
+    done
+    wait "$pid" || failed "$*"
 }
 
 # --- 1. system packages (Mooncake's engine.so links libibverbs; tcp works without RDMA hardware) ---
@@ -104,7 +131,8 @@ install_torch() {
     log "torch: installing torch==$TORCH_VERSION${have:+ (replacing $have)}"
     local extra=()
     [[ -n "${TORCH_INDEX_URL:-}" ]] && extra=(--index-url "$TORCH_INDEX_URL")
-    quiet "$VPY" -m pip install --disable-pip-version-check --no-input -q "${extra[@]}" "torch==$TORCH_VERSION"
+    with_progress torch "$VPY" -m pip install --disable-pip-version-check --no-input --progress-bar off "${extra[@]}" \
+        "torch==$TORCH_VERSION"
 }
 
 # --- 4. weightsync (editable) and its dependencies ---
@@ -118,7 +146,8 @@ sys.exit(not weightsync.__file__.startswith(sys.argv[1]))' "$ROOT/" 2>/dev/null;
     fi
     rm -f "$stamp"
     log "weightsync: pip install -e '.[$EXTRAS]' (megatron-core, mooncake, fastapi, ...)"
-    quiet "$VPY" -m pip install --disable-pip-version-check --no-input -q -e ".[$EXTRAS]"
+    with_progress weightsync "$VPY" -m pip install --disable-pip-version-check --no-input --progress-bar off \
+        -e ".[$EXTRAS]"
     local have
     have="$(dist_version torch)"
     [[ "${have%%+*}" == "$TORCH_VERSION" ]] || die "torch changed to $have during the install (expected $TORCH_VERSION)"
