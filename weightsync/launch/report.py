@@ -50,7 +50,7 @@ def _rate(nbytes: float, seconds: float) -> float | None:
 
 def verdict(validation: dict[str, str]) -> str:
     """One word for a step's validation: ``pass``, ``FAIL``, or ``part skipped`` (every gate that
-    ran passed, one was skipped: ``SKIP_VALIDATION=1``'s check-weight-update-equal)."""
+    ran passed, one was skipped, e.g. check-weight-update-equal under ``SKIP_VALIDATION=1``)."""
     if not validation or any(v not in ("pass", "skipped") for v in validation.values()):
         return "FAIL"
     return "part skipped" if "skipped" in validation.values() else "pass"
@@ -62,9 +62,10 @@ def step_line(record: dict[str, Any]) -> str:
     val = record.get("validation", {})
     word = verdict(val)
     if word == "part skipped":
-        skipped = ", ".join(k for k, v in val.items() if v == "skipped")
+        skipped = [k for k, v in val.items() if v == "skipped"]
+        why = "; SKIP_VALIDATION=1" if "check_weight_update_equal" in skipped else ""
         ran = ", ".join(k for k, v in val.items() if v == "pass")
-        shown = f"skipped ({skipped}; SKIP_VALIDATION=1)" + (f", {ran} pass" if ran else "")
+        shown = f"skipped ({', '.join(skipped)}{why})" + (f", {ran} pass" if ran else "")
     else:
         shown = word if word == "pass" else f"FAIL {val}"
     t = record.get("train") or {}
