@@ -23,7 +23,7 @@ EXTRAS="${WEIGHTSYNC_EXTRAS:-test}"
 APT_PACKAGES=(libibverbs1 librdmacm1 ibverbs-providers libnuma1 libcurl4 iproute2)
 VENV="$ROOT/.venv"
 VPY="$VENV/bin/python"
-LOG="$(mktemp -t weightsync-setup.XXXXXX.log)"
+LOG=""  # made by main
 START=$SECONDS
 
 log() { printf '[setup %3ds] %s\n' "$((SECONDS - START))" "$*"; }
@@ -161,11 +161,19 @@ print(f"Python {platform.python_version()}, " + ", ".join(f"{d} {m.version(d)}" 
       ("torch", "megatron-core", "mooncake-transfer-engine-non-cuda", "ray")))')"
 }
 
-log "weightsync set-up in $ROOT (log: $LOG)"
-install_system_packages
-make_venv
-install_torch
-install_project
-check_imports
-rm -f "$LOG"
-log "done in $((SECONDS - START)) s; use $VENV/bin/python (or: source .venv/bin/activate)"
+main() {
+    LOG="$(mktemp -t weightsync-setup.XXXXXX.log)"
+    log "weightsync set-up in $ROOT (log: $LOG)"
+    install_system_packages
+    make_venv
+    install_torch
+    install_project
+    check_imports
+    rm -f "$LOG"
+    log "done in $((SECONDS - START)) s; use $VENV/bin/python (or: source .venv/bin/activate)"
+}
+
+# sourced (the tests do, for its functions), it only defines them
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    main "$@"
+fi

@@ -1,4 +1,5 @@
-"""The set-up and CI scripts: syntax, the README/CI command agreement, and exit-5 handling."""
+"""The set-up and CI scripts: syntax, the README/CI command agreement, exit-5 handling, and the
+set-up's progress lines."""
 
 from __future__ import annotations
 
@@ -39,3 +40,32 @@ def test_test_script_fails_when_no_tests_are_collected(repo_root, tmp_path):
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "collected no tests" in proc.stderr
+
+
+def test_setup_shows_progress_while_pip_runs(repo_root, tmp_path):
+    """``scripts/setup.sh``'s long pip installs print, every ``SETUP_PROGRESS_S`` seconds, how long
+    they have run, the packages pip has collected and its latest step; a failing install stops the
+    set-up (exit 1) showing the log's last lines. (Sourced, the script only defines its functions.)"""
+    script = f"""
+source "{repo_root}/scripts/setup.sh"
+LOG="{tmp_path}/setup.log"
+: >"$LOG"
+PROGRESS_S=1
+fake_pip() {{ echo "Collecting torch"; echo "  Downloading ray-2.60.0.whl (70 MB)"; echo "Collecting ray"
+              echo "Installing collected packages: a, b"; sleep 3; }}
+with_progress weightsync fake_pip
+echo "installed"
+failing_pip() {{ echo "ERROR: No matching distribution found for nothing-such"; return 3; }}
+with_progress weightsync failing_pip
+echo "not reached"
+"""
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    progress = [line for line in proc.stdout.splitlines() if "] weightsync: " in line]
+    assert progress, proc.stdout
+    assert any(line.endswith("2 packages collected; now: Installing collected packages: a, b") for line in progress), \
+        progress
+    assert "installed" in proc.stdout
+    assert "not reached" not in proc.stdout
+    assert "ERROR: command failed: failing_pip" in proc.stderr
+    assert "No matching distribution found for nothing-such" in proc.stderr
