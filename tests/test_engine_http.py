@@ -101,9 +101,10 @@ def test_openapi_has_one_operation_id_per_operation() -> None:
     only described here, so it is built without a running engine."""
     import warnings
     from collections import Counter
+    from types import SimpleNamespace
 
-    nothing: Any = None
-    app = build_app(ServerContext(scheduler=nothing, tokenizer=nothing, par=RolloutParallel(), server_info={},
+    sessions: Any = SimpleNamespace(scheduler=None)  # build_app only keeps them for the routes
+    app = build_app(ServerContext(sessions=sessions, tokenizer=sessions, par=RolloutParallel(), server_info={},
                                   api_docs=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # FastAPI's "Duplicate Operation ID" is a UserWarning
