@@ -20,6 +20,7 @@ LEVELS: dict[str, int] = {
     "quant": 0,  # fp8 blocks, MLA derivation (torch only)
     "proc": 0,  # process plumbing: a free port, dying with the launcher
     "transport": 0,  # byte movers (knows no model)
+    "fingerprint": 0,  # the fingerprint of written bytes (torch; Triton where its kernel runs)
     "models": 1,  # specs, registry, profiles, parallel sizes, checkpoints
     "layout": 2,  # pieces of global tensors
     "plan": 3,  # the static plan
