@@ -39,7 +39,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture
-def client(ckpt: str) -> Iterator[TestClient]:
+def served(ckpt: str) -> Iterator[tuple[TestClient, Engine]]:
+    """The HTTP client of a one-rank engine loaded from the checkpoint, and the engine."""
     spec = tiny(MODEL)
     engine = Engine.build(spec, EngineGroups.single(), device=torch.device("cpu"))
     engine.load_checkpoint(ckpt)
@@ -56,9 +57,14 @@ def client(ckpt: str) -> Iterator[TestClient]:
         )
     )
     with TestClient(app) as c:
-        yield c
+        yield c, engine
     sessions.scheduler.stop()
     engine.close()
+
+
+@pytest.fixture
+def client(served: tuple[TestClient, Engine]) -> TestClient:
+    return served[0]
 
 
 def _gen(c: TestClient, **body: Any) -> Any:
@@ -384,3 +390,32 @@ def test_weights_checker_rank_view(client: TestClient) -> None:
     assert same["equal"]
     assert same["mismatches"] == []
     assert client.post("/weights_checker", json={"action": "checksum", "rank": 1}).status_code == 400
+
+
+def test_fingerprint_of_every_parameter_and_padding_zeroed_at_the_end_of_a_session(
+        served: tuple[TestClient, Engine]) -> None:
+    """``fingerprint`` (an extension) answers every non-derived parameter's fingerprint with the
+    given seed; a writer of whole padded tensors (``direct``) leaves the vocab padding zero once
+    the session ends, so the next verification still expects zeros there."""
+    from tests.test_security_engine import _direct_entry
+    from weightsync.fingerprint import fingerprint_tensor, to_hex
+
+    client, engine = served
+    got = client.post("/weights_checker", json={"action": "fingerprint", "seed": 7}).json()
+    want = {n: to_hex(fingerprint_tensor(t, seed=7)) for n, t in engine.store.items()
+            if not engine.store.meta[n].derived}
+    assert got["ranks"][0]["fingerprints"] == want
+    assert client.post("/weights_checker", json={"action": "fingerprint", "seed": -1}).status_code == 400
+    name = "model.embed_tokens.weight"
+    assert engine.store.padding[name], "tiny vocab 300 is padded to 320"
+    whole = engine.store[name].clone()
+    whole[engine.spec.vocab_size :] = 1.0
+    assert client.post("/pause_generation").status_code == 200
+    assert client.post("/begin_weight_update").status_code == 200
+    r = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [_direct_entry(name, whole)],
+                                                          "load_format": "direct", "weight_version": "padded"})
+    assert r.status_code == 200, r.text
+    assert client.post("/end_weight_update").status_code == 200
+    assert torch.count_nonzero(engine.store[name][engine.spec.vocab_size :]) == 0
+    after = client.post("/weights_checker", json={"action": "fingerprint", "seed": 7, "rank": 0}).json()["fingerprints"]
+    assert after == want

@@ -1,5 +1,5 @@
 """The weight checker of one engine rank: snapshot, reset, compare, per-tensor checksums
-(sglang's ``/weights_checker``, ``utils/weight_checker.py``).
+(sglang's ``/weights_checker``, ``utils/weight_checker.py``), and fingerprints (an extension).
 
 The correctness gate of a weight update (``--check-weight-update-equal``): snapshot the weights
 loaded from the checkpoint, reset them to random values, run the update, compare.
@@ -21,18 +21,28 @@ hash), so they compare between engines of this project and with the trainer's ex
 (:mod:`weightsync.launch.validate`), not with a real sglang's. Parameters on a GPU are hashed
 through one reused page-locked host buffer, chunk by chunk (the streaming digest equals the
 one-shot one): on one H200, 1.18 GB took 1.20 s through fresh pageable copies, the copy alone
-into pinned memory 22 ms (scripts/bench_verify.py).
+into pinned memory 22 ms (scripts/bench_verify.py, before the fingerprint).
+
+Fingerprints (the ``fingerprint`` action, :mod:`weightsync.fingerprint`) are what an updater
+verifies an update with: a seeded, position-dependent hash of every element of every non-derived
+parameter, computed where the parameter lives (one Triton launch over the whole store on a GPU),
+answered as 16 hex digits per parameter. They equal the sum of the partials the trainer ranks
+compute over exactly the bytes they wrote.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import xxhash
 
+from weightsync.fingerprint import FingerprintBatch, to_hex, whole_tensors
+from weightsync.fingerprint.hash import check_seed
 from weightsync.sync.params import ParamStore
 
 FP8 = torch.float8_e4m3fn
@@ -94,6 +104,9 @@ class WeightChecker:
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._pinned: torch.Tensor | None = None
         """The page-locked staging buffer of :meth:`checksum` (GPU parameters only)."""
+        self._batches: weakref.WeakKeyDictionary[ParamStore, tuple[tuple[str, ...], FingerprintBatch]] = (
+            weakref.WeakKeyDictionary())
+        """Per store hashed, the names and the batch of :meth:`fingerprint` (built on first use)."""
 
     def _xxh64(self, t: torch.Tensor) -> str:
         """xxh64 hex digest of ``t``'s raw bytes (module docstring: GPU tensors through a pinned buffer)."""
@@ -203,3 +216,33 @@ class WeightChecker:
             "per_gpu_checksum": overall.hexdigest(),
             "parallelism_info": [{"role": "target", **self.parallelism_info}] if self.parallelism_info else [],
         }
+
+    def fingerprint(self, seed: int, skip: Sequence[str] = (), *, store: ParamStore | None = None) -> dict[str, Any]:
+        """The fingerprint of every non-derived parameter of ``store`` (default: the checker's own),
+        hashed on the parameters' device in one batch.
+
+        Args:
+            seed: the fingerprint's seed (in ``[0, 2^63)``), the one the trainer hashed with.
+            skip: name substrings of parameters left out.
+            store: the copy to hash (the one the update session wrote).
+
+        Returns:
+            ``{"fingerprints": {name: 16 hex digits}, "seed", "nbytes", "seconds"}``.
+
+        Raises:
+            ValueError: a seed outside ``[0, 2^63)``.
+        """
+        check_seed(seed)
+        store = self.store if store is None else store
+        names = tuple(n for n, _ in store.items() if not store.meta[n].derived and not _skipped(n, skip))
+        cached = self._batches.get(store)
+        if cached is None or cached[0] != names:
+            cached = (names, whole_tensors([store[n] for n in names]))
+            self._batches[store] = cached
+        batch = cached[1]
+        t0 = time.perf_counter()
+        out = torch.zeros(len(names), dtype=torch.int64, device=store.device)
+        batch.run(out, seed)
+        values = out.tolist()  # waits for the device
+        return {"fingerprints": {n: to_hex(v) for n, v in zip(names, values, strict=True)}, "seed": seed,
+                "nbytes": batch.nbytes, "seconds": time.perf_counter() - t0}

@@ -160,7 +160,10 @@ def _check(engine: Engine, action: str, seed: int, allow_quant_error: bool, skip
         return checker.compare(allow_quant_error, skip)
     if action == "checksum":
         return checker.checksum(skip)
-    raise ValueError(f"unknown weights_checker action {action!r}; use snapshot, reset_tensors, compare or checksum")
+    if action == "fingerprint":
+        return checker.fingerprint(seed, skip, store=engine.store)  # the copy an update session writes
+    raise ValueError(f"unknown weights_checker action {action!r}; use snapshot, reset_tensors, compare, checksum "
+                     f"or fingerprint")
 
 
 class Driver:

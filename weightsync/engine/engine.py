@@ -206,10 +206,12 @@ class Engine:
         return {"staged_bytes": nbytes, "seconds": time.perf_counter() - t0}
 
     def end_update(self) -> float:
-        """A session ends: a staged inbox becomes the served parameters, then the derived tensors
-        are recomputed; seconds."""
+        """A session ends: a staged inbox becomes the served parameters, their padding is zeroed
+        again (a writer of whole padded tensors may have written it), then the derived tensors are
+        recomputed; seconds."""
         t0 = time.perf_counter()
         self.p2p.commit(self.store)
+        self.store.zero_padding()
         return time.perf_counter() - t0 + self.post_load()
 
     def reset_tensors(self, seed: int, skip: tuple[str, ...]) -> dict[str, int]:

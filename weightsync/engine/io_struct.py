@@ -434,12 +434,14 @@ class UpdateWeightFromDiskReqInput(_ControlBody):
 
 
 class CheckWeightsReqInput(_ControlBody):
-    action: Literal["snapshot", "reset_tensors", "compare", "checksum"] = "checksum"
+    action: Literal["snapshot", "reset_tensors", "compare", "checksum", "fingerprint"] = "checksum"
+    """sglang's actions, and ``fingerprint`` (an extension: the seeded fingerprint of every
+    non-derived parameter, :mod:`weightsync.fingerprint`)."""
     allow_quant_error: bool = False
     skip_tensor_list: list[str] | None = None
     selector: Selector = "all"
     seed: int = 0
-    """Extension: seed of ``reset_tensors``' random values."""
+    """Extension: seed of ``reset_tensors``' random values, and of the ``fingerprint``."""
     rank: int | None = None
     """Extension: answer with this rank's result only (its fields also at the top level); the
     action runs on every rank regardless."""

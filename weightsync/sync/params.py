@@ -2,9 +2,11 @@
 
 The engine's parameters are the local tensors of :func:`weightsync.layout.sglang.engine_layout`
 (names, shapes, dtypes, pieces). :class:`ParamStore` carves them out of a single byte block,
-zero-filled (so vocab padding rows stay zero forever), and never reallocates them: their
-addresses are published to senders through ``/get_remote_instance_transfer_engine_info`` as
-``{name: [ptr, numel, element_size]}``, and senders write into them directly.
+zero-filled, and never reallocates them: their addresses are published to senders through
+``/get_remote_instance_transfer_engine_info`` as ``{name: [ptr, numel, element_size]}``, and
+senders write into them directly. Regions no piece covers (vocab padding rows,
+:func:`padding_runs`) are zero: from allocation, and again after every update session
+(:meth:`ParamStore.zero_padding`), since a writer of whole padded tensors may have written them.
 
 The block comes from a transport's arena (:meth:`weightsync.transport.base.Transport.new_arena`:
 a shared-memory segment for ``shm``, device memory for ``cuda_ipc``, ...) when the engine
@@ -24,9 +26,10 @@ from typing import Protocol
 
 import torch
 
-from weightsync.layout.box import Box, LocalTensor, Piece, box_slices
+from weightsync.layout.box import Box, LocalTensor, Piece, box_slices, box_volume
 from weightsync.models.dtypes import torch_dtype
 from weightsync.models.spec import ModelSpec
+from weightsync.plan.ops import box_runs
 from weightsync.quant.fp8 import quantize_block_fp8
 
 ALIGN_BYTES = 256
@@ -86,6 +89,8 @@ class ParamStore:
         for t in layout:
             for p in t.pieces:
                 self._by_global.setdefault(p.global_name, []).append((t.name, p))
+        self.padding: dict[str, list[tuple[int, int]]] = {t.name: r for t in layout if (r := padding_runs(t))}
+        """Parameter -> its :func:`padding_runs` (only parameters that have some)."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
@@ -125,6 +130,21 @@ class ParamStore:
             size = -(-size // ALIGN_BYTES) * ALIGN_BYTES + t.numel * torch_dtype(t.dtype).itemsize
         return max(size, 1)
 
+    def zero_padding(self) -> int:
+        """Zero every parameter's padding (the regions no piece covers); returns the elements zeroed.
+
+        A writer of whole padded tensors (``update_weights_from_tensor`` with ``direct``, a peer
+        writing raw bytes) may have put anything there; the end of an update session restores
+        the zeros the model and the fingerprint expect.
+        """
+        zeroed = 0
+        for name, runs in self.padding.items():
+            flat = self._tensors[name].view(-1)
+            for first, count in runs:
+                flat[first : first + count].zero_()
+                zeroed += count
+        return zeroed
+
     def copy_from(self, other: ParamStore) -> int:
         """Copy every byte of ``other`` (a store of the same layout) into this one, as one block
         copy (the staged receive path's commit and refresh); returns the bytes copied.
@@ -140,6 +160,24 @@ class ParamStore:
     def close(self) -> None:
         """Drop the views (the arena, if any, is its owner's to close)."""
         self._tensors.clear()
+
+
+def padding_runs(t: LocalTensor) -> list[tuple[int, int]]:
+    """The element runs ``(first, count)`` of ``t`` (row-major) that no piece covers: its padding
+    (vocab rows past the vocabulary), written by no plan; none for a derived tensor (the engine
+    computes all of it)."""
+    if t.derived or sum(box_volume(p.local_box) for p in t.pieces) >= t.numel:
+        return []
+    covered = sorted(r for p in t.pieces for r in box_runs(t.shape, p.local_box, 1))
+    gaps: list[tuple[int, int]] = []
+    at = 0
+    for start, length in covered:
+        if start > at:
+            gaps.append((at, start - at))
+        at = max(at, start + length)
+    if at < t.numel:
+        gaps.append((at, t.numel - at))
+    return gaps
 
 
 def _offsets(layout: list[LocalTensor]) -> dict[str, int]:
