@@ -7,17 +7,21 @@ one rollout rank. The sender compiles its ops once against the addresses the eng
 * untransformed ops become byte runs straight from parameter memory into the destination
   (no staging, no extra copy), one prepared write batch per destination rank;
 * transformed ops (cast, fp8 block quantization and its scales) are packed on this rank into
-  a registered staging buffer, in buckets of at most ``bucket_bytes``; two staging halves
-  alternate so that packing bucket ``i + 1`` overlaps the write of bucket ``i``.
+  a registered staging buffer, in buckets of at most ``bucket_bytes``
+  (:class:`~weightsync.sync.p2p_pack.Packer`); two staging halves alternate so that packing
+  bucket ``i + 1`` overlaps the write of bucket ``i``.
 
 Every step only replays: ``send()`` issues the direct batches, then packs and writes the
 buckets, then waits for everything before it returns (the trainer may change its weights
-only after that). Memory is registered once, in :meth:`P2PSender.__init__`.
+only after that). Memory is registered once, in :meth:`P2PSender.__init__`. Given fingerprint
+slots, ``send(fingerprint=...)`` also hashes what it writes, on the device, while it writes
+(:mod:`weightsync.sync.share_fingerprint`): the direct runs once they are issued, each staging
+bucket once it is packed.
 
 Typical usage::
 
     sender = P2PSender(ops, params, transport, peers, bucket_bytes=1 << 30)
-    stats = sender.send(deadline_s=60.0)      # every step
+    stats = sender.send(deadline_s=60.0)      # every step (fingerprint=(slot vector, seed) to hash too)
     sender.close()
 """
 
@@ -32,28 +36,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weightsync.layout.box import LocalTensor, box_shape, box_slices, box_volume
+from weightsync.layout.box import LocalTensor
 from weightsync.plan.ops import CopyOp, box_runs
-from weightsync.quant.fp8 import block_scale_inv, quantize_block_fp8
-from weightsync.quant.fp8_fused import FusedQuant, QuantTask
+from weightsync.sync.p2p_pack import DestParam, Packer, Staged, pair_runs
+from weightsync.sync.share_fingerprint import ShareFingerprint, Slots
 from weightsync.transport import Peer, PeerDescriptor, Transport, WriteBatch, WriteHandle, deadline_after
 from weightsync.transport.records import Region
 from weightsync.transport.registry import sglang_kind
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DestParam:
-    """One parameter of a rollout rank as the engine publishes it (address in the engine)."""
-
-    addr: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,15 +72,6 @@ class SendStats:
     @property
     def nbytes(self) -> int:
         return self.bytes_direct + self.bytes_staged
-
-
-@dataclass(frozen=True, slots=True)
-class _Staged:
-    """A transformed op: packed at ``offset`` of its bucket's staging half, then written as runs."""
-
-    op: CopyOp
-    offset: int
-    nbytes: int
 
 
 SGLANG_TRANSPORT: str = sglang_kind().value
@@ -168,52 +150,6 @@ def dest_rank_from_info(rank: int, info: Mapping[str, object], layout: Sequence[
     return DestRank(rank=rank, descriptor=descriptor, params=params)
 
 
-def _pair(src: list[tuple[int, int]], dst: list[tuple[int, int]], src_base: int, dst_base: int) -> np.ndarray:
-    """Pair two run lists of equal total length into ``(src_addr, dst_addr, nbytes)`` rows."""
-    out: list[tuple[int, int, int]] = []
-    i = j = 0
-    so, sl = src[0]
-    do, dl = dst[0]
-    while True:
-        n = min(sl, dl)
-        out.append((src_base + so, dst_base + do, n))
-        so, sl, do, dl = so + n, sl - n, do + n, dl - n
-        if sl == 0:
-            i += 1
-            if i == len(src):
-                break
-            so, sl = src[i]
-        if dl == 0:
-            j += 1
-            do, dl = dst[j]
-    return np.array(out, dtype=np.int64).reshape(-1, 3)
-
-
-
-def _scales_after_weights(staged: Sequence[CopyOp]) -> list[CopyOp]:
-    """The staged ops with each ``fp8_scale`` op right after the ``fp8_quant`` op of the same
-    source box, so that both land in one bucket and the fused packing reads the box once.
-
-    The plan lists a parameter's values before its scales (all experts' ``w13_weight`` boxes,
-    then their scales): bucketed in that order, a scale op is packed in another bucket than its
-    weight and reads the bf16 source a second time (Kimi-K2, two layers: 68 GB read instead of
-    34). The staging order is free: every op has its own region and runs.
-    """
-    scales: dict[tuple[str, int, tuple[tuple[int, int], ...]], list[CopyOp]] = defaultdict(list)
-    for op in staged:
-        if op.transform == "fp8_scale":
-            scales[(op.src_param, op.dst_rank, op.src_box)].append(op)
-    out: list[CopyOp] = []
-    for op in staged:
-        if op.transform == "fp8_scale":
-            continue
-        out.append(op)
-        if op.transform == "fp8_quant":
-            out.extend(scales.pop((op.src_param, op.dst_rank, op.src_box), []))
-    out.extend(op for ops in scales.values() for op in ops)  # scales whose weight another rank sends
-    return out
-
-
 class P2PSender:
     """Replays one trainer rank's ops every step (see the module docstring)."""
 
@@ -227,6 +163,7 @@ class P2PSender:
         bucket_bytes: int,
         source_regions: Sequence[tuple[str, torch.Tensor]] | None = None,
         fp8_blocks: Mapping[str, tuple[int, int]] | None = None,
+        fingerprint_slots: Slots | None = None,
     ) -> None:
         """Register memory, connect to every destination and compile the ops.
 
@@ -239,6 +176,8 @@ class P2PSender:
             source_regions: memory to register as the write source (e.g. the arena holding
                 every parameter); default: each parameter an op reads, registered on its own.
             fp8_blocks: global weight name -> fp8 block, for ops that quantize.
+            fingerprint_slots: (rollout rank, parameter) -> slot, for :meth:`send` to hash what it
+                writes (:mod:`weightsync.sync.share_fingerprint`); None: never hashes.
 
         Raises:
             ValueError: an op names a parameter that does not exist on either side, or a box
@@ -249,20 +188,23 @@ class P2PSender:
         self.transport = transport
         self.params = params
         self.dests = dests
-        self.fp8_blocks = dict(fp8_blocks or {})
         self._check_ops(ops)
         direct = [op for op in ops if op.transform is None]
-        staged = _scales_after_weights([op for op in ops if op.transform is not None])
         self.bucket_bytes = bucket_bytes
-        self._buckets = self._make_buckets(staged)
-        # a bucket ends where its last packed region ends (regions start 256-byte aligned)
-        stage_cap = max((b[-1].offset + b[-1].nbytes for b in self._buckets), default=0)
-        self._staging = [torch.empty(stage_cap, dtype=torch.uint8, device=self._device()) for _ in range(2)]
+        tables = {r: d.params for r, d in dests.items()}
+        self.packer = Packer([op for op in ops if op.transform is not None], params, tables,
+                             bucket_bytes=bucket_bytes, fp8_blocks=fp8_blocks)
+        self._buckets = self.packer.buckets
+        self._staging = [torch.empty(self.packer.capacity, dtype=torch.uint8, device=self._device())
+                         for _ in range(2)]
+        self.packer.compile(lambda i: self._staging[i % 2])
         self._register_sources(direct, source_regions)
         self._peers: dict[int, Peer] = {r: transport.connect(d.descriptor) for r, d in dests.items()}
         self._direct = self._rotate(self._compile_direct(direct), ops)
         self._bucket_runs = [self._compile_bucket(b, half=i % 2) for i, b in enumerate(self._buckets)]
-        self._packs = [self._compile_pack(b, half=i % 2) for i, b in enumerate(self._buckets)]
+        self.fingerprint = None if fingerprint_slots is None else ShareFingerprint(
+            ops, params, tables, self.packer, fingerprint_slots, lambda i: self._staging[i % 2])
+        """The share's partial fingerprints, hashed by :meth:`send` when asked (None without slots)."""
         self.bytes_direct = sum(b.nbytes for b in self._direct.values())
         self.bytes_staged = sum(s.nbytes for b in self._buckets for s in b)
 
@@ -301,24 +243,6 @@ class P2PSender:
                 if len(box) != len(shape) or any(a < 0 or b > d for (a, b), d in zip(box, shape, strict=True)):
                     raise ValueError(f"plan box {box} does not fit {what!r} of shape {shape}")
 
-    def _op_dst_bytes(self, op: CopyOp) -> int:
-        return box_volume(op.dst_box) * self.dests[op.dst_rank].params[op.dst_param].itemsize
-
-    def _make_buckets(self, staged: Sequence[CopyOp]) -> list[list[_Staged]]:
-        buckets: list[list[_Staged]] = []
-        cur: list[_Staged] = []
-        used = 0
-        for op in staged:
-            n = self._op_dst_bytes(op)
-            if cur and used + n > self.bucket_bytes:
-                buckets.append(cur)
-                cur, used = [], 0
-            cur.append(_Staged(op=op, offset=used, nbytes=n))
-            used += -(-n // 256) * 256  # keep every packed region 256-byte aligned
-        if cur:
-            buckets.append(cur)
-        return buckets
-
     def _register_sources(
         self, direct: Sequence[CopyOp], source_regions: Sequence[tuple[str, torch.Tensor]] | None
     ) -> None:
@@ -341,7 +265,7 @@ class P2PSender:
                 raise ValueError(f"{op.src_param} ({src.dtype}) -> {op.dst_param} ({dp.dtype}) needs a transform")
             s_runs = box_runs(tuple(src.shape), op.src_box, isz)
             d_runs = box_runs(dp.shape, op.dst_box, isz)
-            per_dest[op.dst_rank].append(_pair(s_runs, d_runs, src.data_ptr(), dp.addr))
+            per_dest[op.dst_rank].append(pair_runs(s_runs, d_runs, src.data_ptr(), dp.addr))
         return {r: self.transport.prepare(self._peers[r], np.concatenate(rs)) for r, rs in per_dest.items()}
 
     @staticmethod
@@ -354,105 +278,39 @@ class P2PSender:
         k = ops[0].src_rank % len(order)
         return {r: batches[r] for r in order[k:] + order[:k]}
 
-    def _compile_bucket(self, bucket: Sequence[_Staged], half: int) -> dict[int, WriteBatch]:
+    def _compile_bucket(self, bucket: Sequence[Staged], half: int) -> dict[int, WriteBatch]:
         base = self._staging[half].data_ptr()
         per_dest: dict[int, list[np.ndarray]] = defaultdict(list)
         for s in bucket:
             dp = self.dests[s.op.dst_rank].params[s.op.dst_param]
             d_runs = box_runs(dp.shape, s.op.dst_box, dp.itemsize)
-            per_dest[s.op.dst_rank].append(_pair([(s.offset, s.nbytes)], d_runs, base, dp.addr))
+            per_dest[s.op.dst_rank].append(pair_runs([(s.offset, s.nbytes)], d_runs, base, dp.addr))
         return {r: self.transport.prepare(self._peers[r], np.concatenate(rs)) for r, rs in per_dest.items()}
-
-    def _compile_pack(self, bucket: Sequence[_Staged], half: int) -> tuple[list[FusedQuant], list[_Staged]]:
-        """The bucket's fp8 ops as fused quantization tables (one per fp8 block size), and the ops
-        packed one at a time (casts, and boxes the tables cannot express).
-
-        An ``fp8_scale`` op whose weight box is quantized by an ``fp8_quant`` op of the same bucket
-        joins that op's task, so the source is read once for the values and the scales.
-        """
-        staging = self._staging[half]
-        tasks: dict[tuple[int, int], list[QuantTask]] = defaultdict(list)
-        rest: list[_Staged] = []
-        quant_at: dict[tuple[str, tuple[tuple[int, int], ...]], tuple[tuple[int, int], int]] = {}
-        scales: list[tuple[_Staged, torch.Tensor, torch.Tensor]] = []
-        for s in bucket:
-            op = s.op
-            dp = self.dests[op.dst_rank].params[op.dst_param]
-            src = self._quant_source(op) if op.transform in ("fp8_quant", "fp8_scale") else None
-            if src is None:
-                rest.append(s)
-                continue
-            block = self._block(op)
-            out = staging[s.offset : s.offset + s.nbytes].view(dp.dtype)
-            if op.transform == "fp8_quant" and dp.dtype == torch.float8_e4m3fn:
-                quant_at[(op.src_param, op.src_box)] = (block, len(tasks[block]))
-                tasks[block].append(QuantTask(src=src, q=out.view(src.shape)))
-            elif op.transform == "fp8_scale" and dp.dtype == torch.float32:
-                nr, nc = -(-src.shape[0] // block[0]), -(-src.shape[1] // block[1])
-                if out.numel() != nr * nc:
-                    rest.append(s)
-                    continue
-                scales.append((s, src, out.view(nr, nc)))
-            else:
-                rest.append(s)
-        for s, src, out in scales:
-            block = self._block(s.op)
-            hit = quant_at.pop((s.op.src_param, s.op.src_box), None)
-            if hit is not None and hit[0] == block:
-                t = tasks[block][hit[1]]
-                tasks[block][hit[1]] = QuantTask(src=t.src, q=t.q, scale=out)
-            else:
-                tasks[block].append(QuantTask(src=src, scale=out))
-        return [FusedQuant(ts, block) for block, ts in tasks.items()], rest
-
-    def _quant_source(self, op: CopyOp) -> torch.Tensor | None:
-        """The op's source box as a 2-D view of the parameter (None when it is not one)."""
-        view = self.params[op.src_param][box_slices(op.src_box)]
-        if view.dim() < 2 or any(d != 1 for d in view.shape[:-2]):
-            return None
-        view = view.reshape(view.shape[-2:])
-        return view if view.shape[1] <= 1 or view.stride(1) == 1 else None
 
     # -- replay (every step) ------------------------------------------------------------------
 
-    def _pack(self, index: int, half: int) -> None:
-        fused, rest = self._packs[index]
-        for f in fused:
-            f.run()
-        staging = self._staging[half]
-        for s in rest:
-            op = s.op
-            dp = self.dests[op.dst_rank].params[op.dst_param]
-            src = self.params[op.src_param][box_slices(op.src_box)]
-            if op.transform == "cast":
-                out = src.to(dp.dtype)
-            elif op.transform in ("fp8_quant", "fp8_scale"):
-                block = self._block(op)
-                if op.transform == "fp8_quant":
-                    out, _ = quantize_block_fp8(src.reshape(box_shape(op.src_box)[-2:]), block)
-                else:
-                    out = block_scale_inv(src.reshape(box_shape(op.src_box)[-2:]), block)
-            else:
-                raise ValueError(f"unknown transform {op.transform!r} on {op.global_name}")
-            view = staging[s.offset : s.offset + s.nbytes].view(dp.dtype)
-            view.copy_(out.reshape(-1))
-
-    def _block(self, op: CopyOp) -> tuple[int, int]:
-        block = self.fp8_blocks.get(op.global_name.removesuffix("_scale_inv"))
-        if block is None:
-            raise ValueError(f"no fp8 block size known for {op.global_name}; pass fp8_blocks to P2PSender")
-        return block
-
-    def send(self, *, deadline_s: float = 300.0) -> SendStats:
+    def send(self, *, deadline_s: float = 300.0, fingerprint: tuple[torch.Tensor, int] | None = None) -> SendStats:
         """Write every op of this rank once; returns when all bytes have landed.
+
+        Args:
+            deadline_s: how long the writes may take.
+            fingerprint: ``(slot vector, seed)``: also add the partial fingerprint of every byte
+                written into the slot vector (int64 on this rank's device), hashed from the
+                parameters and the packed staging while the writes are in flight. Needs
+                ``fingerprint_slots`` at construction.
 
         Raises:
             TimeoutError: a write did not complete within ``deadline_s`` (engines must then be
                 treated as dirty: the caller keeps them paused).
+            ValueError: a fingerprint asked of a sender built without slots.
         """
+        if fingerprint is not None and self.fingerprint is None:
+            raise ValueError("this sender was built without fingerprint slots")
         t0 = time.perf_counter()
         deadline = deadline_after(deadline_s)
         pending: list[WriteHandle] = [self.transport.write(self._peers[r], b) for r, b in self._direct.items()]
+        if fingerprint is not None:
+            self.fingerprint.hash_direct(*fingerprint)  # type: ignore[union-attr]
         in_flight: list[list[WriteHandle]] = [[], []]
         pack_s = 0.0
         for i in range(len(self._buckets)):
@@ -460,13 +318,17 @@ class P2PSender:
             for h in in_flight[half]:  # the half we pack into must have been written out
                 self.transport.wait(h, deadline)
             tp = time.perf_counter()
-            self._pack(i, half)
+            self.packer.pack(i)
             if self._staging[half].is_cuda:
                 torch.cuda.current_stream().synchronize()
             pack_s += time.perf_counter() - tp
             in_flight[half] = [self.transport.write(self._peers[r], b) for r, b in self._bucket_runs[i].items()]
+            if fingerprint is not None:  # on the current stream: before the next pack into this half
+                self.fingerprint.hash_bucket(i, *fingerprint)  # type: ignore[union-attr]
         for h in pending + in_flight[0] + in_flight[1]:
             self.transport.wait(h, deadline)
+        if fingerprint is not None and fingerprint[0].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the hashes read weights the caller may change next
         total = time.perf_counter() - t0
         by_dest: dict[int, int] = defaultdict(int)
         for r, b in self._direct.items():
