@@ -18,9 +18,10 @@ Two executions with the same results:
   sum into its slot with one atomic add (:mod:`weightsync.fingerprint._kernel`). Offsets are
   relative to one 16-byte aligned source's address, passed as the kernel's pointer.
 * ``torch`` (a GPU without Triton) and ``numpy`` (the CPU): the spans, grouped by source and
-  element size into slabs of at most :data:`SLAB` elements, each gathered and hashed by torch ops
-  (:func:`~weightsync.fingerprint.hash.hash_elements`, added into its slots with ``index_add_``) or
-  numpy ops (:func:`~weightsync.fingerprint.hash.hash_elements_np`, summed per span).
+  element size into slabs of at most :data:`SLAB` (torch) or :data:`NUMPY_SLAB` (numpy) elements,
+  each gathered, hashed and summed into its slots by a fixed number of vectorized ops, however
+  many spans it holds (:func:`~weightsync.fingerprint.hash.hash_elements` and ``index_add_``;
+  :func:`~weightsync.fingerprint.hash.hash_elements_np` and ``reduceat``).
 
 Legend: ``R`` spans, ``K`` chunks, ``S`` slots.
 """
@@ -48,11 +49,10 @@ BLOCK = 1024
 """Elements per program iteration."""
 NUM_WARPS = 4
 SLAB = 1 << 20
-"""Elements hashed per group of torch / numpy ops (bounds the temporaries: a few 8-byte vectors of
-this size)."""
-NUMPY_STEP = 1 << 15
-"""Elements per numpy pass: temporaries that stay in a core's L2 cache (on the 2-core machine,
-1 << 14 to 1 << 16 hashed 87-99 M elements/s, 1 << 20 only 23 M)."""
+"""Elements hashed per group of torch ops (bounds the temporaries: a few 8-byte vectors of this size)."""
+NUMPY_SLAB = 1 << 15
+"""Elements per group of numpy ops: temporaries that stay in a core's L2 cache (on the 2-core
+machine, 1 << 14 to 1 << 16 hashed 87-99 M elements/s, 1 << 20 only 23 M)."""
 ALIGN = 16
 
 
@@ -215,13 +215,14 @@ class FingerprintBatch:
             self._tables.append((torch.from_numpy(np.ascontiguousarray(table)).to(self.device), is_aligned))
 
     def _build_slabs(self, spans: np.ndarray) -> None:
-        rows = cut_spans(spans, SLAB)  # pieces of at most SLAB elements, whatever their size
+        limit = NUMPY_SLAB if self.method == "numpy" else SLAB
+        rows = cut_spans(spans, limit)  # pieces of at most `limit` elements, whatever their size
         rows = rows[np.lexsort((rows[:, ESIZE], rows[:, SOURCE]))]
         i = 0
         while i < len(rows):
             j, total = i, 0
             while (j < len(rows) and rows[j, SOURCE] == rows[i, SOURCE] and rows[j, ESIZE] == rows[i, ESIZE]
-                   and (j == i or total + rows[j, COUNT] <= SLAB)):
+                   and (j == i or total + rows[j, COUNT] <= limit)):
                 total += int(rows[j, COUNT])
                 j += 1
             self._slabs.append(self._slab(rows[i:j], total))
@@ -281,17 +282,21 @@ def _run_slab_torch(slab: _Slab, out: torch.Tensor, seed: int) -> None:
 
 
 def _run_slab_numpy(slab: _Slab, sums: np.ndarray, seed: int) -> None:
-    """Hash one slab with numpy on the host, span by span (each a contiguous range of its source);
-    ``sums`` (uint64) wraps modulo 2^64."""
+    """Hash one slab with numpy on the host; ``sums`` (uint64) wraps modulo 2^64."""
     data = slab.view.numpy().view(_UNSIGNED[slab.view.element_size()])
-    parts = np.zeros(len(slab.rows), dtype=np.uint64)
-    for i, (off, count, first) in enumerate(slab.rows[:, [OFFSET, COUNT, FIRST]].tolist()):
-        for a in range(0, count, NUMPY_STEP):
-            b = min(count, a + NUMPY_STEP)
-            bits = data[off + a : off + b].astype(np.uint64)
-            h = hash_elements_np(bits, np.arange(first + a, first + b, dtype=np.uint64), seed)
-            parts[i : i + 1] += h.sum(dtype=np.uint64)
-    np.add.at(sums, slab.rows[:, SLOT], parts)  # array arithmetic: wraps modulo 2^64 silently
+    rows = slab.rows
+    if len(rows) == 1:  # one contiguous range: no gather
+        off, count, first = (int(x) for x in rows[0, [OFFSET, COUNT, FIRST]])
+        h = hash_elements_np(data[off : off + count].astype(np.uint64),
+                             np.arange(first, first + count, dtype=np.uint64), seed)
+        np.add.at(sums, rows[:, SLOT], h.sum(dtype=np.uint64, keepdims=True))  # array arithmetic: wraps silently
+        return
+    counts = rows[:, COUNT]
+    starts = np.cumsum(counts) - counts
+    local = np.arange(slab.total, dtype=np.int64) - np.repeat(starts, counts)
+    bits = data[np.repeat(rows[:, OFFSET], counts) + local].astype(np.uint64)
+    h = hash_elements_np(bits, (np.repeat(rows[:, FIRST], counts) + local).astype(np.uint64), seed)
+    np.add.at(sums, rows[:, SLOT], np.add.reduceat(h, starts))
 
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
