@@ -36,14 +36,14 @@ def on_write(updater: Any, k: int, fault: Callable[[Any], Callable[[], None]]) -
     real = updater.write
     calls = [0]
 
-    def write(mode: Any = "p2p") -> Any:
+    def write(mode: Any = "p2p", **kwargs: Any) -> Any:
         n = calls[0]
         calls[0] += 1
         if n != k or updater.p2p_sender is None:
-            return real(mode)
+            return real(mode, **kwargs)
         undo = fault(updater.p2p_sender.transport)
         try:
-            return real(mode)
+            return real(mode, **kwargs)
         finally:
             undo()
 

@@ -94,16 +94,3 @@ def test_checksums_of_gpu_parameters_through_the_pinned_buffer_equal_one_shot_xx
     got = checker_mod.WeightChecker(store).checksum()["checksums"]
     want = {n: xxhash.xxh64(t.cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest() for n, t in store.items()}
     assert got == want
-
-
-def test_a_pinned_host_store_is_an_ordinary_store_without_cuda() -> None:
-    from weightsync.layout.sglang import engine_layout
-    from weightsync.models import get_model
-    from weightsync.models.parallel import RolloutParallel
-    from weightsync.sync.params import ParamStore
-
-    layout = engine_layout(get_model("Qwen3-4B", "tiny"), RolloutParallel(), 0)
-    store = ParamStore(layout, torch.device("cpu"), pin=True)
-    assert store.names() == [t.name for t in layout]
-    assert all(t.device.type == "cpu" and not t.any() for _, t in store.items())
-    assert store["model.embed_tokens.weight"].is_pinned() == torch.cuda.is_available()

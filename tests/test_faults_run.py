@@ -107,7 +107,7 @@ def test_trainer_rank_killed_mid_update(engine: str, e2e_ckpt: Path, tmp_path: P
 def test_writes_dropped_at_step_k_are_never_served(engine: str, e2e_ckpt: Path, tmp_path: Path):
     """The must-show: writes silently dropped at step 2.
 
-    Without retries the run stops at step 2's verification, naming the checksums; no answer ever
+    Without retries the run stops at step 2's verification, naming the tensors; no answer ever
     carries version 2; the engine stays paused at version 1 and serves nothing. With
     ``--update-retries 1`` the next run (which recovers the engine by its first update) retries
     step 2 from scratch, verifies it, and only then publishes: every answer labelled 2 was
@@ -121,7 +121,7 @@ def test_writes_dropped_at_step_k_are_never_served(engine: str, e2e_ckpt: Path, 
         time.sleep(1.0)
     assert run.returncode == 1, run.describe()
     assert "update to version 2 failed" in run.output, run.describe()
-    assert "checksums differ: engine 0" in run.output, run.describe()
+    assert "fingerprints differ: engine 0" in run.output, run.describe()
     assert "step 1:" in run.output, run.describe()
     assert "step 2:" not in run.output, run.describe()
     versions = [v for v, _ in rec.answers]
@@ -141,7 +141,7 @@ def test_writes_dropped_at_step_k_are_never_served(engine: str, e2e_ckpt: Path, 
     assert run.returncode == 0, run.describe()
     step2 = run.steps[2]
     assert step2["attempts"] == 2, step2
-    assert "checksums differ" in step2["failed_attempts"][0], step2
+    assert "fingerprints differ" in step2["failed_attempts"][0], step2
     assert all(v in ("pass", "skipped") for s in run.steps for v in s["validation"].values()), run.steps
     assert all(s["validation"]["checksums"] == "pass" for s in run.steps), run.steps
     seen = rec.by_version()

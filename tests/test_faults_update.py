@@ -145,7 +145,7 @@ def test_dropped_writes_are_caught_and_retried_before_any_answer(engine: str, gr
         assert stats.attempts == 2, stats
         assert stats.verified
         assert 500 not in refused, refused
-        assert "checksums differ: engine 0" in stats.failed_attempts[0]
+        assert "fingerprints differ: engine 0" in stats.failed_attempts[0]
         after = _fingerprint(c.generate(PROBE))
         c.close()
         assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3  # the update changed them

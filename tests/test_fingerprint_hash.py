@@ -14,6 +14,7 @@ a wrong write does.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -115,7 +116,8 @@ def test_a_run_at_a_wrong_offset_a_missing_write_and_a_foreign_write_change_it()
     assert _fp(foreign) != want
     swapped = new.clone()
     swapped[[2, 3]] = new[[3, 2]]  # the same bytes, two rows exchanged
-    assert not torch.equal(swapped, new) and _fp(swapped) != want
+    assert not torch.equal(swapped, new)
+    assert _fp(swapped) != want
     assert _fp(new, seed=SEED + 1) != want
 
 
@@ -125,7 +127,7 @@ def test_a_run_at_a_wrong_offset_a_missing_write_and_a_foreign_write_change_it()
 def test_partials_over_disjoint_ranges_add_up_to_the_whole(cuts: list[int], seed: int, order) -> None:
     t = torch.randn(1000, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     bounds = [0, *sorted(cuts), 1000]
-    ranges = list(zip(bounds, bounds[1:]))
+    ranges = list(itertools.pairwise(bounds))
     order.shuffle(ranges)
     parts = [fingerprint_tensor(t[a:b], first=a, seed=seed) for a, b in ranges]
     assert sum(parts) & MASK64 == fingerprint_tensor(t, seed=seed)
@@ -205,7 +207,8 @@ def test_the_triton_kernel_in_the_interpreter_equals_the_definition() -> None:
     code = "from tests.test_fingerprint_hash import run_kernel_on_cpu; run_kernel_on_cpu()"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=580)
-    assert done.returncode == 0 and "kernel ok" in done.stdout, done.stdout + done.stderr[-4000:]
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert "kernel ok" in done.stdout, done.stdout
 
 
 @pytest.mark.gpu

@@ -96,7 +96,7 @@ def test_update_failure_restart_refresh(group: object, tmp_path: Path):
             sender = updater.p2p_sender
             real_send = sender.send
             sender.send = lambda **kw: _no_write()
-            with pytest.raises(UpdateError, match=rf"checksums differ: engine 0 at {url}, rank 0: .* differ"):
+            with pytest.raises(UpdateError, match=rf"fingerprints differ: engine 0 at {url}, rank 0: .* differ"):
                 updater.update(3, mode="p2p")
             assert _state(url) != "serving"  # weights loaded (post-load ran), generation not resumed
             sender.send = real_send

@@ -75,9 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=4, help="GRPO samples per prompt (megatron trainer)")
     p.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (megatron trainer)")
     p.add_argument("--update-retries", type=int, default=0,
-                   help="try a failed update (a rank's or engine's error, a checksum mismatch) again from scratch up "
-                        "to N times before stopping; the engines stay paused and dirty at the old version until an "
-                        "attempt verifies (default 0: stop at the first failure)")
+                   help="try a failed update (a rank's or engine's error, a fingerprint mismatch) again from scratch "
+                        "up to N times before stopping; the engines stay paused and dirty at the old version until "
+                        "an attempt verifies (default 0: stop at the first failure)")
     p.add_argument("--deadlines", default="",
                    help="KEY=SECONDS,... replacing the default deadline of each wait: "
                         + ", ".join(f"{f.name.removesuffix('_s')} ({f.default:g})" for f in fields(Deadlines)))

@@ -279,7 +279,7 @@ class RunConfig:
     lr: float = 1e-5
     """megatron: Adam's learning rate (``--lr``)."""
     update_retries: int = 0
-    """A failed update (a rank's or engine's error, a checksum mismatch) is tried again from
+    """A failed update (a rank's or engine's error, a fingerprint mismatch) is tried again from
     scratch this many times before the run stops (``--update-retries``); every engine stays
     paused and dirty at the old version until an attempt verifies."""
     deadlines: Deadlines = field(default_factory=Deadlines)

@@ -11,7 +11,7 @@ Every update is the library's: each trainer rank holds a
 :class:`~weightsync.sync.updater.WeightUpdater`, and :meth:`RunSession.update` asks all of them
 for one update (rank 0 drives the engines). It is timed from the return of ``pause_generation``
 to the return of ``continue_generation`` and split into phases: pause, pack, wire, barrier,
-post_load, resume (pack and wire are the slowest trainer rank's); the updater's own checksum
+post_load, resume (pack and wire are the slowest trainer rank's); the updater's own fingerprint
 verification is timed on its own.
 
 Trainer: ``synthetic`` (the CPU default; learns nothing) or ``megatron`` (the CUDA default:
@@ -245,7 +245,7 @@ class RunSession:
 
     def _updater_config(self) -> UpdaterConfig:
         """How the trainer ranks update: the run's mode, bucket size and transport; colocated
-        broadcast through ``/update_weights_from_tensor``; every update verified by checksums."""
+        broadcast through ``/update_weights_from_tensor``; every update verified by fingerprints."""
         from weightsync.plan.broadcast import stage_sources
 
         host = self.procs.trainer_host(0)

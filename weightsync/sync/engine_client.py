@@ -17,7 +17,7 @@ in docs/engine.md, "States")::
     ...write...                        # p2p, update_weights_from_distributed / _tensor (no
                                        # weight_version: nothing is published by end)
     eng.end_weight_update()
-    eng.weights_checker("checksum")    # verify what every rank holds
+    eng.weights_checker("fingerprint", seed=s)  # verify what every rank holds
     eng.update_weight_version(v)       # the publication
     eng.continue_generation()
 

@@ -45,8 +45,7 @@ class ArenaLike(Protocol):
 class ParamStore:
     """All parameters of one engine rank, as views into one arena (see the module docstring)."""
 
-    def __init__(self, layout: list[LocalTensor], device: torch.device, arena: ArenaLike | None = None, *,
-                 pin: bool = False) -> None:
+    def __init__(self, layout: list[LocalTensor], device: torch.device, arena: ArenaLike | None = None) -> None:
         """Allocate every tensor of ``layout`` once, zero-filled.
 
         Args:
@@ -54,9 +53,6 @@ class ParamStore:
             device: where the parameters live.
             arena: where the block comes from (at least :meth:`required_bytes` free); a plain
                 torch allocation on ``device`` when None.
-            pin: host memory only, without an arena: page-locked where CUDA is available, so that
-                copies from a GPU run at the link's rate (measured on one H200: 53 GB/s into a
-                pinned buffer, 1.2 GB/s into fresh pageable memory; scripts/bench_verify.py).
 
         Raises:
             ValueError: duplicate names or unknown dtypes in ``layout``, or an arena block on
@@ -72,8 +68,7 @@ class ParamStore:
         offsets = _offsets(layout)
         self.nbytes = self.required_bytes(layout)
         if arena is None:
-            pinned = pin and device.type == "cpu" and torch.cuda.is_available()
-            self._buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=device, pin_memory=pinned)
+            self._buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         else:
             self._buf = arena.empty((self.nbytes,), torch.uint8)
             if self._buf.device.type != device.type:

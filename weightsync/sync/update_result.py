@@ -42,7 +42,7 @@ class UpdateStats:
     post_load_engine_s: float
     """The engines' own post-load time (the slowest)."""
     verified: bool | None
-    """True: every engine parameter's checksum matched; None: not verified this update."""
+    """True: every engine parameter's fingerprint matched; None: not verified this update."""
     per_rank: list[dict[str, Any]] = field(default_factory=list)
     """Each trainer rank's write stats."""
     attempts: int = 1

@@ -26,7 +26,8 @@ One update (:meth:`WeightUpdater.update`, collective over the group)::
                                                         tensors over by IPC)
     wait                                               (every rank reports; any error stops here)
     end_weight_update                                  (rank 0; the engines' post-load)
-    verify                                             (every ``verify_every`` updates: checksums)
+    verify                                             (every ``verify_every`` updates: fingerprints,
+                                                        hashed by each rank while it writes)
     update_weight_version -> continue_generation       (rank 0)
 
 The update is a transaction: the engines stay paused until the written weights verified, and
@@ -55,6 +56,7 @@ Typical usage (every trainer rank)::
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -69,11 +71,13 @@ from weightsync.models.parallel import Device, RolloutParallel, TrainParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.plan.broadcast import plan_broadcast
 from weightsync.plan.inputs import PlanInputs, build_inputs
+from weightsync.plan.ops import CopyOp
 from weightsync.plan.records import Mode
 from weightsync.sync.broadcast_groups import BroadcastGroups
 from weightsync.sync.broadcast_sender import BroadcastSender
 from weightsync.sync.from_megatron import megatron_train_parallel
 from weightsync.sync.names import module_tensors, place_params
+from weightsync.sync.p2p_pack import fp8_blocks
 from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, P2PSender, dest_rank_from_info
 from weightsync.sync.rank_group import agree, from_rank0
 from weightsync.sync.tensor_sender import TensorSender
@@ -226,30 +230,37 @@ class WeightUpdater:
         """Plan, connect and register (collective); every rank's failure is reported on all."""
         self.discovered = found
         self.inputs = self._inputs(found.rollout)
+        verify = bool(self.config.verify_every) and self.engines is not None
+        ops: list[CopyOp] = []
+        if verify or Mode.P2P in self.config.modes:
+            ops = agree(self.pg, self._plan_share, "planning this rank's share")
+        if verify:
+            self._verifier = Verifier(self.inputs, ops, self.params, rank=self.rank, pg=self.pg,
+                                      bucket_bytes=self.config.bucket_bytes)
         if Mode.P2P in self.config.modes:
-            agree(self.pg, lambda: self._set_up_p2p(found), "p2p set-up")
+            agree(self.pg, lambda: self._set_up_p2p(found, ops), "p2p set-up")
         if Mode.BROADCAST in self.config.modes:
             self._set_up_broadcast()
-        if self.config.verify_every:
-            self._verifier = agree(self.pg, lambda: Verifier(self._gatherer(), self.inputs, rank=self.rank,
-                                                             pg=self.pg, bucket_bytes=self.config.bucket_bytes),
-                                   "verifier set-up")
 
-    def _set_up_p2p(self, found: _Discovered) -> None:
+    def _plan_share(self) -> list[CopyOp]:
+        """This rank's share of the p2p plan: what p2p writes, and what the verification hashes."""
         from weightsync.plan.p2p import plan_p2p_for_rank
 
-        assert found.infos is not None
         t0 = time.perf_counter()
-        ops = plan_p2p_for_rank(self.inputs, src_rank=self.rank).ops
+        ops = list(plan_p2p_for_rank(self.inputs, src_rank=self.rank).ops)
         self.plan_s = time.perf_counter() - t0
+        return ops
+
+    def _set_up_p2p(self, found: _Discovered, ops: Sequence[CopyOp]) -> None:
+        assert found.infos is not None
         self.num_ops = len(ops)
         needed = sorted({op.dst_rank for op in ops})
         dests = {r: dest_rank_from_info(r, found.infos[r], self.inputs.dest_layout(r)) for r in needed}
-        blocks = {g.name: g.block for g in self.inputs.globals.values() if g.block is not None and g.quant_of is None}
         self.transport_config = self._transport(found.kind)
+        slots = self._verifier.slots if self._verifier is not None else None
         self.p2p_sender = P2PSender(ops, self.params, self.transport_config.make(), dests,
                                     bucket_bytes=self.config.bucket_bytes, source_regions=self._source_regions,
-                                    fp8_blocks=blocks)
+                                    fp8_blocks=fp8_blocks(self.inputs), fingerprint_slots=slots)
 
     def _gatherer(self) -> BroadcastSender:
         if self._bcast is None:
@@ -367,20 +378,23 @@ class WeightUpdater:
         assert eng is not None
         marks: dict[str, float] = {}
 
-        def pause_begin() -> None:
+        def pause_begin() -> int:
             marks["t0"] = time.perf_counter()
             eng.each(lambda c: c.pause_generation(), what="pause_generation")
             marks["t1"] = time.perf_counter()
             eng.begin_weight_update()
+            return secrets.randbits(63)  # this attempt's fingerprint seed, unknown to any other writer
 
         try:
-            from_rank0(self.pg, pause_begin)
+            seed = from_rank0(self.pg, pause_begin)
         except (UpdateError, ValueError) as exc:
             self._held(version, [str(exc)])
+        verifier = self._verifier if verify else None
+        partials = verifier.new_partials() if verifier is not None else None
         error = None
         local: dict[str, Any] = {}
         try:
-            local = self.write(m)
+            local = self.write(m, fingerprint=(partials, seed) if partials is not None and m is Mode.P2P else None)
         except Exception as exc:  # every rank's failure is reported on all
             error = f"trainer rank {self.rank}: {m} write: {type(exc).__name__}: {exc}"
         everyone: list[Any] = [None] * self.train.world_size
@@ -400,17 +414,9 @@ class WeightUpdater:
             ends = from_rank0(self.pg, end)
         except (UpdateError, ValueError) as exc:
             self._held(version, [str(exc)])
-        verified: bool | None = None
         tv = time.perf_counter()
-        if self._verifier is not None and verify:
-            expected = self._verifier.expected()
-            try:
-                bad = from_rank0(self.pg, lambda: self._verifier.compare(eng, expected))  # type: ignore[union-attr]
-            except (UpdateError, ValueError) as exc:
-                self._held(version, [f"verification: {exc}"])
-            if bad:
-                self._held(version, ["checksums differ: " + "; ".join(bad)])
-            verified = True
+        if verifier is not None and partials is not None:
+            self._verify(version, m, verifier, partials, seed)
         verify_s = time.perf_counter() - tv
 
         def finish() -> dict[str, float]:
@@ -423,7 +429,30 @@ class WeightUpdater:
             times = from_rank0(self.pg, finish)
         except (UpdateError, ValueError) as exc:
             self._held(version, [str(exc)])
-        return self._stats(version, m, results, ends, times, verify_s, verified)
+        return self._stats(version, m, results, ends, times, verify_s, True if verifier is not None else None)
+
+    def _verify(self, version: str, m: Mode, verifier: Verifier, partials: torch.Tensor, seed: int) -> None:
+        """The verification step of an attempt (collective): broadcast's hash-only pass, the
+        partials summed, and rank 0's comparison with every engine's fingerprints.
+
+        Raises:
+            UpdateError: a fingerprint differs (every differing tensor named per engine and rank),
+                or the step failed; the engines' sessions are aborted.
+        """
+        if m is Mode.BROADCAST:
+            try:
+                agree(self.pg, lambda: verifier.hash_share(partials, seed), "fingerprint of the plan share")
+            except (UpdateError, ValueError) as exc:
+                self._held(version, [f"verification: {exc}"])
+        expected = verifier.expected(partials, seed, same_for_every_engine=m is Mode.BROADCAST)
+        eng = self.engines
+        assert eng is not None
+        try:
+            bad = from_rank0(self.pg, lambda: verifier.compare(eng, expected or {}, seed))
+        except (UpdateError, ValueError) as exc:
+            self._held(version, [f"verification: {exc}"])
+        if bad:
+            self._held(version, ["fingerprints differ: " + "; ".join(bad)])
 
     def _held(self, version: str, errors: Sequence[str]) -> None:
         """The failure step of an attempt: rank 0 aborts every engine's session (each stays paused,
@@ -455,9 +484,15 @@ class WeightUpdater:
                                       verify_s=verify_s, verified=verified,
                                       num_receivers=self.inputs.rollout.world_size, broadcast_buckets=buckets)
 
-    def write(self, mode: str | Mode = Mode.P2P) -> dict[str, Any]:
+    def write(self, mode: str | Mode = Mode.P2P, *, fingerprint: tuple[torch.Tensor, int] | None = None) -> \
+            dict[str, Any]:
         """Only the write phase of an update, on this rank (collective over the group for
         broadcast): no engine control call except broadcast's per-bucket announcement.
+
+        Args:
+            mode: ``p2p`` or ``broadcast``.
+            fingerprint: p2p only: ``(slot vector, seed)`` to hash what is written into, while it
+                is written (:meth:`P2PSender.send`).
 
         Returns:
             This rank's ``{"pack_s", "wire_s", "bytes", "bytes_by_dest", "buckets", "total_s"}``.
@@ -466,7 +501,7 @@ class WeightUpdater:
         if m is Mode.P2P:
             if self.p2p_sender is None:
                 raise ValueError("p2p was not set up (UpdaterConfig(mode='p2p' or 'both'))")
-            s = self.p2p_sender.send(deadline_s=self.config.deadline_s)
+            s = self.p2p_sender.send(deadline_s=self.config.deadline_s, fingerprint=fingerprint)
             return {"pack_s": s.pack_s, "wire_s": s.wire_s, "total_s": s.total_s, "bytes": s.nbytes,
                     "bytes_by_dest": s.bytes_by_dest, "buckets": self.p2p_sender.num_buckets}
         if Mode.BROADCAST not in self.config.modes:
@@ -532,14 +567,15 @@ class WeightUpdater:
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for updates: its parameters (the training job's own memory), the
-        p2p staging buffers, the colocated broadcast's flat buffer, the verifier's host copies."""
+        p2p staging buffers, the colocated broadcast's flat buffer, the verification's packing
+        scratch (broadcast with transformed ops only)."""
         out = {"params": sum(t.numel() * t.element_size() for t in self.params.values())}
         if self.p2p_sender is not None:
             out["p2p_staging"] = self.p2p_sender.staging_bytes
         if self._tensor is not None:
             out["tensor_buffer"] = self._tensor.buffer_bytes
-        if self._verifier is not None:
-            out["verify_host_copies"] = self._verifier.host_bytes
+        if self._verifier is not None and self._verifier.scratch_bytes:
+            out["verify_scratch"] = self._verifier.scratch_bytes
         return out
 
     @property

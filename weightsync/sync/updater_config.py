@@ -31,8 +31,9 @@ class UpdaterConfig:
     """Trainer ranks share GPUs with the engines: broadcast hands full tensors over through
     ``/update_weights_from_tensor`` (NCCL cannot put two ranks of a group on one GPU)."""
     verify_every: int = 1
-    """Compare every engine parameter's checksum with the trainer's weights after every
-    ``verify_every``-th update (the first included); 0: never."""
+    """Verify every ``verify_every``-th update (the first included; 1: every update) before it is
+    published: every engine parameter's fingerprint against the sum of the trainer ranks' partials
+    of what they wrote (:mod:`weightsync.sync.verify`); 0: never."""
     deadline_s: float = 300.0
     """A p2p write not complete within this long fails the update."""
     http_timeout_s: float = 600.0
@@ -41,7 +42,7 @@ class UpdaterConfig:
     """Broadcast over a group: joining a weight-update group, and one broadcast over it (the
     trainer side's gloo / NCCL timeout)."""
     update_retries: int = 0
-    """A failed attempt of an update (a rank's or engine's error, a checksum mismatch) is tried
+    """A failed attempt of an update (a rank's or engine's error, a fingerprint mismatch) is tried
     again from scratch -- engines re-queried, senders rebuilt, every byte rewritten, verified --
     this many times before :class:`~weightsync.sync.update_result.UpdateError` is raised; the engines
     stay paused and dirty at the old version until an attempt verifies."""
