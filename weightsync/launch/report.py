@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from weightsync.plan.records import Mode
+
 log = logging.getLogger(__name__)
 
 PHASES = ("pause", "pack", "wire", "barrier", "post_load", "resume")
@@ -192,7 +194,7 @@ def write_results(log_dir: Path, meta: dict[str, Any], steps: Sequence[dict[str,
     return path
 
 
-MODE_HATCH = {"p2p": "", "broadcast": "//"}
+MODE_HATCH = {Mode.P2P: "", Mode.BROADCAST: "//"}
 """How a bar shows its mode in the plot: p2p plain, broadcast hatched (the colours are the phases)."""
 
 
