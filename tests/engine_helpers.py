@@ -48,6 +48,15 @@ def write_tiny_checkpoint(name: str, path: Path, seed: int = SEED) -> dict[str, 
     return tensors
 
 
+def two_tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[str, str]:
+    """Two checkpoints of ``name`` at tiny scale with different weights (seeds 1 and 2): the
+    version an engine serves and the one an update brings."""
+    a, b = tmp_path_factory.mktemp("w1"), tmp_path_factory.mktemp("w2")
+    write_tiny_checkpoint(name, a, seed=1)
+    write_tiny_checkpoint(name, b, seed=2)
+    return str(a), str(b)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Tiny models run fastest on one thread; on a loaded 2-core machine two threads are ~20x slower."""

@@ -170,6 +170,8 @@ def test_serve_cli_options_are_pinned() -> None:
         "--request-timeout-s",
         "--group-timeout-s",
         "--collective-timeout-s",
+        "--shadow",
+        "--in-flight-at-flip",
         "--log-level",
     }
     args = parser.parse_args(["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--dp", "2"])

@@ -129,8 +129,7 @@ def test_writes_dropped_at_step_k_are_never_served(engine: str, e2e_ckpt: Path, 
     assert "2" not in versions, "an answer was served from step 2's unverified weights"
     s = _state(engine)
     assert (s["state"], s["weight_version"]) == ("paused", "1"), s
-    assert s["weights_dirty"], s  # the dropped update reached the served weights: refused, not served
-    assert 503 in rec.refused, rec.refused
+    assert not s["weights_dirty"], s  # shm: the dropped update reached the inbox only, never the served copy
 
     # (SKIP_VALIDATION: the step-0 equality check compares with the engine's weights at the start,
     # which are the failed run's version 1 here, not the checkpoint's; every other check runs)

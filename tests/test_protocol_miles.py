@@ -28,7 +28,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from tests.engine_helpers import one_torch_thread, start_sessions, tiny, write_tiny_checkpoint  # noqa: F401 -- autouse fixture
+from tests.engine_helpers import (  # noqa: F401 -- one_torch_thread: autouse fixture
+    one_torch_thread,
+    start_sessions,
+    tiny,
+    two_tiny_checkpoints,
+)
 from weightsync.engine.config import ServeConfig
 from weightsync.engine.control import Driver
 from weightsync.engine.engine import Engine
@@ -46,10 +51,7 @@ PROMPT = [5, 17, 250, 3, 42, 7]
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """Two checkpoints of the same model with different weights (seeds 1 and 2)."""
-    a, b = tmp_path_factory.mktemp("w1"), tmp_path_factory.mktemp("w2")
-    write_tiny_checkpoint(MODEL, a, seed=1)
-    write_tiny_checkpoint(MODEL, b, seed=2)
-    return str(a), str(b)
+    return two_tiny_checkpoints(tmp_path_factory, MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,17 @@ from typing import Any
 import pytest
 
 import weightsync
+from weightsync.engine.engine import TransferInfo
 from weightsync.engine.scheduler import Scheduler
 from weightsync.engine.session import Session, UpdateSessions
 from weightsync.engine.states import TRANSITIONS, Event, Facts, State, decide, states_markdown
 from weightsync.models import get_model
 
 ROOT = Path(weightsync.__file__).parent
+BEGUN = (State.UPDATING, State.SHADOW_UPDATING)
+"""The states a begin enters (where its failure is met)."""
+OPEN = (State.UPDATING, State.ENDED, State.SHADOW_UPDATING, State.SHADOW_ENDED)
+"""The states with an open session."""
 DOC = ROOT.parent / "docs" / "engine.md"
 BEGIN_MARK = "<!-- states: generated from weightsync/engine/states.py (TRANSITIONS) -->"
 END_MARK = "<!-- states: end -->"
@@ -47,12 +52,12 @@ def test_the_docs_table_is_the_code_table():
 
 
 def _cases() -> Iterator[tuple[State, Event, Facts]]:
-    """Every (state, event, facts) the engine can meet: a failed begin only happens in the state
-    its begin entered (updating); every call can come in every state."""
+    """Every (state, event, facts) the engine can meet: a failed begin only happens in a state a
+    begin entered (updating, shadow_updating); every call can come in every state."""
     for state, event in itertools.product(State, Event):
-        if event is Event.BEGIN_FAILED and state is not State.UPDATING:
+        if event is Event.BEGIN_FAILED and state not in BEGUN:
             continue
-        for values in itertools.product((False, True), repeat=6):
+        for values in itertools.product((False, True), repeat=len(Facts.__slots__)):
             yield state, event, Facts(*values)
 
 
@@ -76,9 +81,15 @@ class _FakeDriver:
         self.engine = SimpleNamespace(spec=get_model("Qwen3-4B", "tiny"), broadcast=None, p2p=None)
         self.fail = fail
 
-    def run(self, op: str, **_: Any) -> list[Any]:
+    def run(self, op: str, **args: Any) -> list[Any]:
         if op == self.fail:
             raise RuntimeError(f"{op} failed on a rank (injected)")
+        if op == "begin_update":  # a session opened the sglang way writes copy 0 in place
+            shadow = args.get("pause_free", False)
+            return [{"target_copy": int(shadow), "flip": "swap" if shadow else None, "in_place": not shadow,
+                     "refreshed_bytes": 0, "seconds": 0.0}]
+        if op == "publish":
+            return [{"flip": None, "seconds": 0.0, "served": 0}]
         return [0.0]
 
     def shutdown(self) -> None:
@@ -89,15 +100,19 @@ class _FakeDriver:
 def make() -> Iterator[Callable[..., UpdateSessions]]:
     started: list[Scheduler] = []
 
-    def build(state: State, *, dirty: bool, wrote: bool, version: bool, p2p: bool, fail: str = "") -> UpdateSessions:
+    def build(state: State, *, dirty: bool, wrote: bool, version: bool, p2p: bool, shadow: bool,
+              fail: str = "") -> UpdateSessions:
         sched = Scheduler(_FakeDriver(fail), job_timeout_s=30, stop_timeout_s=30)
-        infos = [("127.0.0.1:1" if p2p else "none://0", {}, None)]
+        infos = [TransferInfo(session_id="127.0.0.1:1" if p2p else "none://0", weights={}, descriptor=None, copies=[{}],
+                              shadow={"pause_free": shadow})]
         sessions = UpdateSessions(sched, transfer_infos=infos, weight_version="v0", group_timeout_s=5)
         sched.start()
         started.append(sched)
         sessions.state, sessions.dirty = state, dirty  # the test's set-up: any (state, facts)
-        if state in (State.UPDATING, State.ENDED):
-            sessions.session = Session(id="s0", wrote=wrote, version="v1" if version else None)
+        if state in OPEN:
+            pause_free = state in (State.SHADOW_UPDATING, State.SHADOW_ENDED)
+            sessions.session = Session(id="s0", wrote=wrote, version="v1" if version else None, pause_free=pause_free,
+                                       copy=int(pause_free), flip="swap" if pause_free else None)
         return sessions
 
     yield build
@@ -110,7 +125,7 @@ CALLS: dict[Event, Callable[[UpdateSessions], Any]] = {
     Event.PAUSE: lambda s: s.pause("retract"),
     Event.CONTINUE: lambda s: s.resume(),
     Event.BEGIN: lambda s: s.begin(),
-    Event.BEGIN_FAILED: lambda s: s.begin(),
+    Event.BEGIN_SHADOW: lambda s: s.begin(pause_free=True),
     Event.WRITE: lambda s: s.update_from_tensor([""], None),
     Event.RESET: lambda s: s.check_weights("reset_tensors"),
     Event.END: lambda s: s.end(),
@@ -119,20 +134,28 @@ CALLS: dict[Event, Callable[[UpdateSessions], Any]] = {
 }
 
 
+FAILED_BEGINS = {State.PAUSED: (State.UPDATING, lambda s: s.begin()),
+                 State.SERVING: (State.SHADOW_UPDATING, lambda s: s.begin(pause_free=True))}
+"""A begin that fails on a rank: from the state it starts in, the state it entered and the call."""
+
+
 @pytest.mark.parametrize("event", list(Event), ids=str)
 def test_the_code_follows_the_table(make: Callable[..., UpdateSessions], event: Event):
-    for state, dirty, wrote, version, p2p in itertools.product(State, *[(False, True)] * 4):
-        if event is Event.BEGIN_FAILED and state is not State.PAUSED:
+    for state, dirty, wrote, version, p2p, shadow in itertools.product(State, *[(False, True)] * 5):
+        if event is Event.BEGIN_FAILED and state not in FAILED_BEGINS:
             continue  # the outcome of a begin, reached from a state whose begin gets that far
-        facts = Facts(dirty=dirty, generating=False, running=False, wrote=wrote and state in (State.UPDATING,
-                      State.ENDED), writable=p2p, version_given=version and state in (State.UPDATING, State.ENDED))
-        sessions = make(state, dirty=dirty, wrote=wrote, version=version, p2p=p2p,
+        facts = Facts(dirty=dirty, generating=False, running=False, wrote=wrote and state in OPEN, writable=p2p,
+                      version_given=version and state in OPEN, shadow=shadow)
+        sessions = make(state, dirty=dirty, wrote=wrote, version=version, p2p=p2p, shadow=shadow,
                         fail="begin_update" if event is Event.BEGIN_FAILED else "")
         where = f"{event} from {state} ({facts})"
         if event is Event.BEGIN_FAILED:
-            rule = decide(State.UPDATING, event, facts)
+            begun, call = FAILED_BEGINS[state]
+            if decide(state, Event.BEGIN_SHADOW if begun is State.SHADOW_UPDATING else Event.BEGIN, facts).refuse:
+                continue  # refused before any rank is asked
+            rule = decide(begun, event, facts)
             with pytest.raises(RuntimeError, match="injected"):
-                CALLS[event](sessions)
+                call(sessions)
         else:
             rule = decide(state, event, facts)
             if rule.refuse is not None:
@@ -161,7 +184,8 @@ def test_the_state_changes_only_through_a_rule():
     assert sorted(assigned) == ["session.py:__init__", "session.py:_enter"], assigned
 
 
-ARROW = re.compile(r"\b(serving|paused|updating|ended)\b[^\n]{0,20}--\S+-->", re.IGNORECASE)
+ARROW = re.compile(r"\b(serving|paused|updating|ended|shadow_updating|shadow_ended)\b[^\n]{0,20}--\S+-->",
+                   re.IGNORECASE)
 
 
 def test_the_state_machine_is_drawn_nowhere_else():

@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from weightsync.engine.config import ServeConfig
+from weightsync.engine.config import IN_FLIGHT_AT_FLIP, SHADOW_MODES, ServeConfig
 from weightsync.launch.config import env_token
 from weightsync.transport.config import add_receiver_arguments, receiver_config_from_args
 
@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline of joining a weight-update group and of one broadcast receive")
     parser.add_argument("--collective-timeout-s", type=float, default=300.0,
                         help="deadline of the engine's own collectives between its ranks")
+    parser.add_argument("--shadow", choices=SHADOW_MODES, default="auto",
+                        help="a shadow copy of the parameters that pause-free updates write while the engine keeps "
+                        "generating: auto (on CPU always, on a GPU when it fits) or off (updates pause generation)")
+    parser.add_argument("--in-flight-at-flip", choices=IN_FLIGHT_AT_FLIP, default="keep",
+                        help="what a pause-free update's flip does to running requests: keep (they go on, their "
+                        "KV kept), recompute (re-prefilled under the new weights) or abort")
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 
@@ -123,6 +129,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         request_timeout_s=args.request_timeout_s,
         group_timeout_s=args.group_timeout_s,
         collective_timeout_s=args.collective_timeout_s,
+        shadow=args.shadow,
+        in_flight_at_flip=args.in_flight_at_flip,
     )
 
 

@@ -133,6 +133,7 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
         compute_dtype=dtype,
         transport=transport_config(cfg),
         group_timeout_s=cfg.group_timeout_s,
+        shadow=cfg.shadow,
     )
     error: BaseException | None = None
     try:

@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 from weightsync.transport import TransportConfig
 
 TRANSFER_INFO_FORMATS = ("weightsync", "sglang")
+SHADOW_MODES = ("auto", "off")
+"""``--shadow``: auto holds a shadow copy on CPU always and on a GPU when it fits
+(:func:`weightsync.sync.weight_copies.shadow_fits`); off never."""
+IN_FLIGHT_AT_FLIP = ("keep", "recompute", "abort")
+"""``--in-flight-at-flip``: what a flip does to the running requests
+(:meth:`weightsync.engine.scheduler.Scheduler.flip`)."""
 
 GRACEFUL_SHUTDOWN_S = 5
 """On stop, requests still waiting after this long (e.g. queued behind a pause) are cancelled."""
@@ -81,6 +87,12 @@ class ServeConfig:
     """Joining a weight-update group and one broadcast receive must complete within this long."""
     collective_timeout_s: float = 300.0
     """The engine's own collectives between its ranks (a rank waiting on a failed peer gives up after it)."""
+    shadow: str = "auto"
+    """A shadow copy of the parameters for pause-free updates: ``auto`` (on CPU always, on a GPU when
+    it fits beside the served copy) or ``off`` (every update pauses generation)."""
+    in_flight_at_flip: str = "keep"
+    """What a pause-free update's flip does to the running requests: ``keep`` (they go on under the
+    new version, their KV kept), ``recompute`` (re-prefilled under the new version) or ``abort``."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -102,6 +114,11 @@ class ServeConfig:
                      "collective_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.shadow not in SHADOW_MODES:
+            raise ValueError(f"shadow must be one of {', '.join(SHADOW_MODES)}, got {self.shadow!r}")
+        if self.in_flight_at_flip not in IN_FLIGHT_AT_FLIP:
+            raise ValueError(f"in_flight_at_flip must be one of {', '.join(IN_FLIGHT_AT_FLIP)}, got "
+                             f"{self.in_flight_at_flip!r}")
         if self.token is not None and len(self.token) < 16:
             raise ValueError("the engine token must be at least 16 characters (e.g. python -c 'import secrets; "
                              "print(secrets.token_urlsafe(32))')")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from weightsync.engine.engine import Engine
+from weightsync.engine.engine import Engine, FlipAt
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,12 @@ class Op(enum.StrEnum):
     LOAD_CHECKPOINT = "load_checkpoint"  # path -> LoadStats
     LOAD_DUMMY = "load_dummy"  # seed -> LoadStats
     POST_LOAD = "post_load"  # -> seconds
-    BEGIN_UPDATE = "begin_update"  # -> {"staged_bytes", "seconds"} (a staged inbox refreshed)
-    END_UPDATE = "end_update"  # -> seconds (a staged inbox committed, then post-load)
-    UPDATE_FROM_DISK = "update_from_disk"  # path -> LoadStats (into the session's write target)
-    TRANSFER_INFO = "transfer_info"  # -> (session_id, {name: [ptr, numel, elem_size]}, descriptor | None)
+    BEGIN_UPDATE = "begin_update"  # pause_free, flip -> {"target_copy", "flip", "in_place", ...}
+    END_UPDATE = "end_update"  # -> seconds (post-load on the session's copy)
+    PUBLISH = "publish"  # -> {"flip", "seconds", "served"} (the session's copy is served; closed)
+    ABORT_UPDATE = "abort_update"  # the session closes unpublished
+    UPDATE_FROM_DISK = "update_from_disk"  # path -> LoadStats (into the session's copy)
+    TRANSFER_INFO = "transfer_info"  # -> TransferInfo
     CHECK_WEIGHTS = "check_weights"  # action, seed, allow_quant_error, skip -> dict
     INIT_GROUP = "init_group"  # master_address, master_port, rank_offset, world_size, group_name, backend
     INIT_GROUP_START = "init_group_start"  # the same arguments; the join runs in the background
@@ -99,13 +101,15 @@ class RankError(RuntimeError):
         super().__init__(msg)
 
 
-def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | None = None) -> Reply:
-    """Run ``cmd`` on this rank; failures become a :class:`Reply` carrying the traceback."""
+def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | None = None,
+            take_flip: Callable[[], FlipAt | None] | None = None) -> Reply:
+    """Run ``cmd`` on this rank; failures become a :class:`Reply` carrying the traceback
+    (``should_abort`` and ``take_flip``: rank 0's hooks into a generation batch)."""
     a = cmd.args
     try:
         match cmd.op:
             case Op.GENERATE:
-                value: Any = engine.generate(a["reqs"], should_abort)
+                value: Any = engine.generate(a["reqs"], should_abort, take_flip)
             case Op.PROMPT_LOGITS:
                 value = engine.prompt_logits(a["prompts"])
             case Op.LOAD_CHECKPOINT:
@@ -115,9 +119,13 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
             case Op.POST_LOAD:
                 value = engine.post_load()
             case Op.BEGIN_UPDATE:
-                value = engine.begin_update()
+                value = engine.begin_update(a.get("pause_free", False), a.get("flip", "swap"))
             case Op.END_UPDATE:
                 value = engine.end_update()
+            case Op.PUBLISH:
+                value = engine.publish()
+            case Op.ABORT_UPDATE:
+                value = engine.abort_update()
             case Op.UPDATE_FROM_DISK:
                 value = engine.update_from_disk(a["path"])
             case Op.TRANSFER_INFO:
@@ -151,7 +159,7 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
 
 
 def _check(engine: Engine, action: str, seed: int, allow_quant_error: bool, skip: tuple[str, ...]) -> dict[str, Any]:
-    checker = engine.checker
+    checker = engine.checker_on(action)
     if action == "snapshot":
         return checker.snapshot()
     if action == "reset_tensors":
@@ -161,7 +169,7 @@ def _check(engine: Engine, action: str, seed: int, allow_quant_error: bool, skip
     if action == "checksum":
         return checker.checksum(skip)
     if action == "fingerprint":
-        return checker.fingerprint(seed, skip, store=engine.store)  # the copy an update session writes
+        return checker.fingerprint(seed, skip, store=engine.session_store())  # the copy an update session writes
     raise ValueError(f"unknown weights_checker action {action!r}; use snapshot, reset_tensors, compare, checksum "
                      f"or fingerprint")
 
@@ -174,8 +182,10 @@ class Driver:
         self.world = engine.groups.world
         self._pg = engine.groups.control
 
-    def run(self, op: Op, should_abort: Callable[[], bool] | None = None, **args: Any) -> list[Any]:
-        """Run ``op`` on all ranks (blocks until all have replied).
+    def run(self, op: Op, should_abort: Callable[[], bool] | None = None,
+            take_flip: Callable[[], FlipAt | None] | None = None, **args: Any) -> list[Any]:
+        """Run ``op`` on all ranks (blocks until all have replied); ``should_abort`` and
+        ``take_flip`` are rank 0's hooks into a generation batch (:meth:`Engine.generate`).
 
         Returns:
             Every rank's value, by rank.
@@ -186,7 +196,7 @@ class Driver:
         cmd = Command(op=op, args=args)
         if self.world > 1:
             dist.broadcast_object_list([cmd], src=0, group=self._pg)
-        mine = execute(self.engine, cmd, should_abort)
+        mine = execute(self.engine, cmd, should_abort, take_flip)
         replies = [mine]
         if self.world > 1:
             gathered: list[Reply | None] = [None] * self.world

@@ -15,10 +15,15 @@ broadcasts a fault flag, every rank leaves the batch, and rank 0 raises :class:`
 whose logits or probabilities are not finite ends alone, with finish reason ``abort`` and a
 message (``status_code`` 500); the batch's other rows go on.
 
-Weights: every write of an update session goes to :attr:`Engine.inbox` -- the served parameters
-themselves, or, with a staged transport (shm), the registered inbox that
-:meth:`Engine.begin_update` refreshes from the served parameters and :meth:`Engine.end_update`
-copies into them (:mod:`weightsync.sync.p2p_receiver`).
+Weights: the rank holds one or two copies of its parameters (:attr:`Engine.copies`,
+:mod:`weightsync.sync.weight_copies`); the model reads the served one. Every write of an update
+session, its post-load and its verification use the session's copy
+(:meth:`Engine.session_store`): the served copy itself for a session written in place, else a
+shadow that :meth:`Engine.begin_update` refreshes from the served copy and :meth:`Engine.publish`
+flips in (a swap or a copy). During a batch, rank 0 may publish between two decode steps
+(``take_flip``): it broadcasts the flip with the step's tokens, so every rank flips at the same
+step and no forward step reads two versions; the running requests keep their KV and record the
+output index from which their tokens come from the new version (:attr:`GenResult.version_spans`).
 
 Typical usage::
 
@@ -39,6 +44,7 @@ from typing import Any
 import torch
 
 from weightsync.engine.checker import WeightChecker
+from weightsync.engine.config import SHADOW_MODES
 from weightsync.engine.loader import LoadStats, load_checkpoint, load_dummy, run_post_load
 from weightsync.engine.model import Model
 from weightsync.engine.sampling import SamplingParams, prompt_logprobs, sample_tokens
@@ -50,6 +56,7 @@ from weightsync.sync.broadcast_receiver import DEFAULT_TIMEOUT_S as DEFAULT_GROU
 from weightsync.sync.broadcast_receiver import BroadcastReceiver, check_update_request
 from weightsync.sync.p2p_receiver import Receiver
 from weightsync.sync.params import ParamStore, write_global
+from weightsync.sync.weight_copies import WeightCopies, shadow_fits
 from weightsync.transport import TransportConfig
 from weightsync.transport.config import NONE
 
@@ -93,6 +100,34 @@ class GenResult:
     input_token_ids_logprobs: list[TopLogprobs | None] | None = None
     finish_reason: dict[str, object] | None = None
     num_retractions: int = 0
+    version_spans: list[tuple[int, str]] = field(default_factory=list)
+    """``(first output index, weight version)``: from the engine, the flips during this run;
+    from the scheduler, every version of the answer, the one it started with first."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlipAt:
+    """A publication rank 0 applies at the next step boundary of the running batch."""
+
+    version: str
+    """The version the flip publishes (recorded in the running requests' spans)."""
+    done: Callable[[dict[str, Any]], None]
+    """Called on rank 0 once it flipped, with :meth:`Engine.publish`'s answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferInfo:
+    """What one rank publishes for senders (``/get_remote_instance_transfer_engine_info``)."""
+
+    session_id: str
+    weights: dict[str, list[int]]
+    """sglang's table: ``{name: [ptr, numel, element_size]}`` of the home copy (copy 0)."""
+    descriptor: dict[str, Any] | None
+    """The transport's descriptor (an extension), None without a transport."""
+    copies: list[dict[str, list[int]]]
+    """The same table for every published copy, copy 0 first (an extension: a swap's target)."""
+    shadow: dict[str, Any]
+    """:meth:`~weightsync.sync.weight_copies.WeightCopies.describe`."""
 
 
 class StepError(RuntimeError):
@@ -109,7 +144,7 @@ class Engine:
     def __init__(
         self,
         spec: ModelSpec,
-        store: ParamStore,
+        copies: WeightCopies,
         groups: EngineGroups,
         compute_dtype: torch.dtype,
         eos_token_ids: tuple[int, ...] = (),
@@ -118,13 +153,13 @@ class Engine:
         bind_host: str | None = None,
     ) -> None:
         self.spec = spec
-        self.store = store
+        self.copies = copies
         self.groups = groups
         self.rank = groups.rank
-        self.model = Model(spec, store, groups, compute_dtype)
+        self.model = Model(spec, copies.served_store, groups, compute_dtype)
         c = groups.coords
         self.checker = WeightChecker(
-            store,
+            copies.served_store,
             parallelism_info={
                 "tp_rank": c.tp_rank,
                 "tp_size": c.tp_size,
@@ -137,9 +172,7 @@ class Engine:
             },
         )
         self.p2p = p2p if p2p is not None else Receiver(NONE, None, None, groups.rank)
-        self.inbox = self.p2p.write_target(store)
-        """Where update sessions write (``store`` itself unless the transport is staged)."""
-        self.broadcast = BroadcastReceiver(self.inbox, spec, groups.rank, timeout_s=group_timeout_s,
+        self.broadcast = BroadcastReceiver(self.session_store, spec, groups.rank, timeout_s=group_timeout_s,
                                            bind_host=bind_host)
         self.eos_token_ids = eos_token_ids
         self.decode: Callable[[list[int]], str] | None = None
@@ -158,6 +191,7 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
         bind_host: str | None = None,
+        shadow: str = "auto",
     ) -> Engine:
         """Allocate the rank's parameters (zeros) in the sglang layout and build the model.
 
@@ -172,16 +206,38 @@ class Engine:
             eos_token_ids: tokens that end a request unless it sets ``ignore_eos``.
             group_timeout_s: the deadline of joining a weight-update group and of a broadcast receive.
             bind_host: the local address weight-update groups listen on (default: the route to their master).
+            shadow: ``auto`` (a shadow copy for pause-free updates on CPU, and on a GPU where
+                :func:`shadow_fits`) or ``off``.
+
+        Raises:
+            ValueError: an unknown ``shadow``.
         """
+        if shadow not in SHADOW_MODES:
+            raise ValueError(f"shadow must be one of {', '.join(SHADOW_MODES)}, got {shadow!r}")
         layout = engine_layout(spec, groups.par, groups.rank)
-        p2p, store = Receiver.open(transport, layout, device=device, rank=groups.rank)
+        nbytes = ParamStore.required_bytes(layout)
+        want = shadow == "auto" and shadow_fits(nbytes, device)
+        if shadow == "auto" and not want:
+            logger.warning("[rank%d] no room for a shadow copy of %.1f MB on %s: updates pause generation",
+                           groups.rank, nbytes / 1e6, device)
+        p2p, copies = Receiver.open(transport, layout, device=device, rank=groups.rank, shadow=want)
         if compute_dtype is None:
             compute_dtype = torch.float32 if device.type == "cpu" else getattr(torch, spec.dtype)
-        logger.info("[rank%d] allocated %d parameters, %.1f MB%s", groups.rank, len(layout), store.nbytes / 1e6,
-                    " (and as much for the staged p2p inbox)" if p2p.staged else "")
-        return cls(spec, store, groups, compute_dtype, eos_token_ids, p2p, group_timeout_s, bind_host)
+        logger.info("[rank%d] allocated %d parameters, %d copies of %.1f MB (%s)", groups.rank, len(layout),
+                    len(copies.stores), nbytes / 1e6, copies.describe())
+        return cls(spec, copies, groups, compute_dtype, eos_token_ids, p2p, group_timeout_s, bind_host)
 
     # ------------------------------------------------------------------ weights
+
+    @property
+    def store(self) -> ParamStore:
+        """The served copy of the parameters (what the model reads)."""
+        return self.copies.served_store
+
+    def session_store(self) -> ParamStore:
+        """The copy the open update session writes, post-loads and verifies (the served one when
+        no session is open)."""
+        return self.copies.session_store()
 
     def load_checkpoint(self, path: str) -> LoadStats:
         """Load the served parameters from a checkpoint (start-up)."""
@@ -191,34 +247,49 @@ class Engine:
         return load_dummy(self.store, self.spec, seed)
 
     def update_from_disk(self, path: str) -> LoadStats:
-        """``/update_weights_from_disk`` inside a session: the checkpoint into :attr:`inbox`."""
-        return load_checkpoint(self.inbox, self.spec, path)
+        """``/update_weights_from_disk`` inside a session: the checkpoint into the session's copy."""
+        return load_checkpoint(self.session_store(), self.spec, path)
 
     def post_load(self) -> float:
-        """Recompute derived tensors; seconds."""
+        """Recompute the served copy's derived tensors; seconds."""
         return run_post_load(self.store, self.spec)
 
-    def begin_update(self) -> dict[str, Any]:
-        """A session begins: a staged inbox starts as a copy of the served parameters (whatever
-        was written into it before is wiped)."""
-        t0 = time.perf_counter()
-        nbytes = self.p2p.refresh(self.store)
-        return {"staged_bytes": nbytes, "seconds": time.perf_counter() - t0}
+    def begin_update(self, pause_free: bool = False, flip: str = "swap") -> dict[str, Any]:
+        """A session begins: its copy is chosen and, when it is not the served one, refreshed
+        from it (:meth:`~weightsync.sync.weight_copies.WeightCopies.begin`)."""
+        return self.copies.begin(pause_free=pause_free, flip=flip)
 
     def end_update(self) -> float:
-        """A session ends: a staged inbox becomes the served parameters, their padding is zeroed
-        again (a writer of whole padded tensors may have written it), then the derived tensors are
-        recomputed; seconds."""
+        """A session ends: its copy's padding is zeroed again (a writer of whole padded tensors may
+        have written it), then its derived tensors are recomputed; seconds."""
         t0 = time.perf_counter()
-        self.p2p.commit(self.store)
-        self.store.zero_padding()
-        return time.perf_counter() - t0 + self.post_load()
+        self.session_store().zero_padding()
+        return time.perf_counter() - t0 + run_post_load(self.session_store(), self.spec)
+
+    def publish(self) -> dict[str, Any]:
+        """The session's copy becomes the served one (a flip; nothing for a session written in
+        place) and the session closes; ``{"flip", "seconds", "served"}``."""
+        out = self.copies.flip()
+        self.model.store = self.checker.store = self.copies.served_store
+        return out
+
+    def abort_update(self) -> None:
+        """The session closes unpublished (the served copy is as it was unless written in place)."""
+        self.copies.abort()
 
     def reset_tensors(self, seed: int, skip: tuple[str, ...]) -> dict[str, int]:
-        """The checker's ``reset_tensors`` on the served parameters (and on a staged inbox)."""
+        """The checker's ``reset_tensors`` on the served parameters (and on the session's copy)."""
+        self.checker.store = self.store
         out = self.checker.reset_tensors(seed, skip)
-        self.p2p.refresh(self.store)
+        if self.session_store() is not self.store:
+            self.session_store().copy_from(self.store)
         return out
+
+    def checker_on(self, action: str) -> WeightChecker:
+        """The checker, over the copy ``action`` looks at: ``snapshot`` the served copy (what was
+        loaded), ``compare``, ``checksum`` and ``fingerprint`` the session's (what an update wrote)."""
+        self.checker.store = self.store if action == "snapshot" else self.session_store()
+        return self.checker
 
     def update_from_tensor(self, entries: list[str], load_format: str | None) -> dict[str, Any]:
         """``/update_weights_from_tensor`` on this rank: decode entry ``rank`` and write it.
@@ -237,6 +308,7 @@ class Engine:
                 f"(one entry per TP rank)"
             )
         pairs = decode_named_tensors(entries[self.rank], load_format)
+        target = self.session_store()
         t0 = time.perf_counter()
         nbytes = 0
         if load_format == "direct":
@@ -247,7 +319,7 @@ class Engine:
             if bad:
                 raise ValueError(f"update_weights_from_tensor (direct) refused {len(bad)} tensors: " + "; ".join(bad))
             for n, t in pairs:
-                self.inbox[n].copy_(t)
+                target[n].copy_(t)
                 nbytes += t.numel() * t.element_size()
         else:
             check_update_request(
@@ -255,23 +327,25 @@ class Engine:
                 what="update_weights_from_tensor",
             )
             for n, t in pairs:
-                nbytes += write_global(self.inbox, self.spec, n, lambda box, t=t: t[tuple(slice(a, b) for a, b in box)])
+                nbytes += write_global(target, self.spec, n, lambda box, t=t: t[tuple(slice(a, b) for a, b in box)])
         return {"num_tensors": len(pairs), "nbytes": nbytes, "seconds": time.perf_counter() - t0}
 
-    def transfer_info(self) -> tuple[str, dict[str, list[int]], dict[str, Any] | None]:
-        """``(session id, {name: [ptr, numel, element_size]}, transport descriptor or None)``.
+    def transfer_info(self) -> TransferInfo:
+        """What senders need: sglang's ``(session id, {name: [ptr, numel, element_size]})`` of the
+        home copy, the transport descriptor, every published copy's table and the copies' facts.
 
         Like sglang, only the model's parameters are listed: derived tensors (MLA ``w_kc`` /
         ``w_vc``, which sglang keeps as plain attributes computed in post-load) are left out, so
         no sender can address them; ``end_weight_update`` recomputes them.
         """
-        derived = set(self.inbox.derived_names())
-        weights = {n: v for n, v in self.inbox.transfer_info().items() if n not in derived}
-        return self.p2p.session_id, weights, self.p2p.descriptor()
+        derived = set(self.store.derived_names())
+        tables = [{n: v for n, v in t.items() if n not in derived} for t in self.copies.tables()]
+        return TransferInfo(session_id=self.p2p.session_id, weights=tables[0], descriptor=self.p2p.descriptor(),
+                            copies=tables, shadow=self.copies.describe())
 
     def close(self) -> None:
         self.broadcast.close()
-        self.store.close()
+        self.copies.close()
         self.p2p.close()
 
     # ------------------------------------------------------------------ forward
@@ -292,13 +366,17 @@ class Engine:
         positions = torch.arange(lmax).expand(len(prompts), lmax)
         return ids.to(self.store.device), positions.to(self.store.device)
 
-    def generate(self, reqs: list[GenRequest], should_abort: Callable[[], bool] | None = None) -> list[GenResult]:
+    def generate(self, reqs: list[GenRequest], should_abort: Callable[[], bool] | None = None,
+                 take_flip: Callable[[], FlipAt | None] | None = None) -> list[GenResult]:
         """Run one batch to completion (collective).
 
         Args:
             reqs: the batch (same list on every rank).
             should_abort: polled on rank 0 before each step; True stops the batch, active rows
                 finish with reason ``abort``.
+            take_flip: polled on rank 0 after each step that the batch goes on from; a
+                :class:`FlipAt` publishes the session's copy on every rank before the next
+                forward step (module docstring).
 
         Returns:
             One :class:`GenResult` per request on rank 0 (other ranks: results without tokens).
@@ -325,7 +403,7 @@ class Engine:
                     self._prompt_logprobs(r, results[b], full[b, : len(prompts[b])])
         else:
             last = self.model.logits(hidden[rows, lens.to(dev) - 1])
-        self._decode(reqs, results, lens.clone(), total, cache, last, should_abort)
+        self._decode(reqs, results, lens.clone(), total, cache, last, should_abort, take_flip)
         return results
 
     @staticmethod
@@ -358,12 +436,14 @@ class Engine:
         cache: list[dict[str, torch.Tensor]],
         logits: torch.Tensor,
         should_abort: Callable[[], bool] | None,
+        take_flip: Callable[[], FlipAt | None] | None = None,
     ) -> None:
         """Sample/feed steps until every row stops; ``cur[b]`` is row b's next position.
 
-        Each step rank 0 broadcasts ``[token per row, advance per row, continue]``: rows that
+        Each step rank 0 broadcasts ``[token per row, advance per row, flip, continue]``: rows that
         got a token feed it at their next position and advance; stopped rows feed a dummy token
-        at a clamped position (their cache is no longer read).
+        at a clamped position (their cache is no longer read); with ``flip`` set every rank
+        publishes the session's copy before that forward step.
         """
         dev = self.store.device
         num = len(reqs)
@@ -381,11 +461,13 @@ class Engine:
             if done[b]:
                 results[b].finish_reason = {"type": "length", "length": reqs[b].sampling.max_new_tokens}
         while True:
-            ctrl = torch.zeros(2 * num + 1, dtype=torch.int64)
+            ctrl = torch.zeros(2 * num + 2, dtype=torch.int64)
             failure: Exception | None = None
+            flip: FlipAt | None = None
             if self.rank == 0:
                 try:
                     self._step(reqs, results, done, logits, gens, should_abort, ctrl)
+                    flip = self._take_flip(take_flip, results, done, ctrl)
                 except Exception as exc:  # every rank must leave the batch: broadcast the fault first
                     failure = exc
                     ctrl.zero_()
@@ -399,11 +481,28 @@ class Engine:
                 return
             if not flag:
                 return
+            if int(ctrl[-2]):
+                published = self.publish()
+                if flip is not None:
+                    flip.done(published)
             tokens, advance = ctrl[:num], ctrl[num : 2 * num].bool()
             pos = torch.where(advance, cur.to(dev), torch.clamp(cur.to(dev), max=total - 1))
             hidden = self.model.hidden(tokens[:, None], pos[:, None], cache)
             cur = cur + advance.cpu().to(cur.dtype)
             logits = self.model.logits(hidden[:, 0])
+
+    @staticmethod
+    def _take_flip(take_flip: Callable[[], FlipAt | None] | None, results: list[GenResult], done: list[bool],
+                   ctrl: torch.Tensor) -> FlipAt | None:
+        """Rank 0, after sampling a step the batch goes on from: a pending flip, set in ``ctrl`` and
+        recorded in the spans of the rows that go on (their next token is the new version's)."""
+        flip = take_flip() if take_flip is not None and ctrl[-1] == 1 else None
+        if flip is not None:
+            ctrl[-2] = 1
+            for res, finished in zip(results, done, strict=True):
+                if not finished:
+                    res.version_spans.append((len(res.output_ids), flip.version))
+        return flip
 
     def _stop_ids(self, req: GenRequest) -> set[int]:
         return set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else set(self.eos_token_ids))

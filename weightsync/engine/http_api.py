@@ -482,18 +482,19 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/get_remote_instance_transfer_engine_info")
     async def transfer_info(request: Request) -> dict[str, Any]:
         rank = _rank_param(request, ctx.par)
-        session_id, weights, descriptor = sessions.transfer_infos[rank]
-        out: dict[str, Any] = {"rank": rank, "remote_instance_transfer_engine_info": [session_id, weights]}
+        info = sessions.transfer_infos[rank]
+        out: dict[str, Any] = {"rank": rank, "remote_instance_transfer_engine_info": [info.session_id, info.weights]}
         if ctx.publish_descriptor:
-            out["transport_descriptor"] = descriptor
+            out["transport_descriptor"] = info.descriptor
+            out["weight_copies"] = info.copies
         return out
 
     # -- weight updates ----------------------------------------------------------------------
 
     @app.post("/begin_weight_update")
     async def begin_update(request: Request) -> dict[str, Any]:
-        await body_of(request, BeginWeightUpdateReqInput)
-        return await run(sessions.begin)
+        body = await body_of(request, BeginWeightUpdateReqInput)
+        return await run(sessions.begin, body.pause_free, body.flip)
 
     @app.post("/end_weight_update")
     async def end_update(request: Request) -> dict[str, Any]:
@@ -508,12 +509,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/update_weight_version")
     async def update_version(request: Request) -> dict[str, Any]:
         body = await body_of(request, UpdateWeightVersionReqInput)
-        effect = await run(sessions.set_weight_version, body.new_version, body.abort_all_requests, session_of(request))
+        out = await run(sessions.set_weight_version, body.new_version, body.abort_all_requests, session_of(request))
         return {
             "success": True,
             "message": f"Weight version updated to {body.new_version}",
             "new_version": body.new_version,
-            "effect": effect,
+            **out,
         }
 
     @app.post("/init_weights_update_group")

@@ -14,9 +14,9 @@ Every body lists exactly the fields sglang accepts for it (the union of sglang 0
 One deliberate difference: a field sglang does not have is refused (400, the message names it)
 where sglang silently drops it, so that a misspelled field is an error, not a default. The
 exceptions are this engine's own documented extensions (``/weights_checker``'s ``rank`` and
-``seed``). Types are checked strictly (no ``"5"`` for 5); ``null`` for a sampling scalar means its
-default, as in sglang. docs/engine.md tabulates every field; a test holds the table to
-:data:`BODIES`.
+``seed``, ``/begin_weight_update``'s ``pause_free`` and ``flip``). Types are checked strictly (no
+``"5"`` for 5); ``null`` for a sampling scalar means its default, as in sglang. docs/engine.md
+tabulates every field; a test holds the table to :data:`BODIES`.
 """
 
 from __future__ import annotations
@@ -394,8 +394,14 @@ class DestroyWeightsUpdateGroupReqInput(_ControlBody):
 
 class BeginWeightUpdateReqInput(_ControlBody):
     selector: Selector = "all"
+    pause_free: bool = False
+    """Extension: open a pause-free session (it writes the shadow copy; the engine keeps generating)."""
+    flip: Literal["swap", "copy"] = "swap"
+    """Extension: how the session's copy is published (an engine whose shadow is not published copies)."""
 
     NOTES = {**_ControlBody.NOTES, "selector": (Effect.NO_EFFECT, _NO_DRAFT)}
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("pause_free", "flip")
+    """Fields of this engine that sglang does not have (documented, not typos)."""
 
 
 class EndWeightUpdateReqInput(_ControlBody):
@@ -680,6 +686,7 @@ def to_response(
         "finish_reason": res.finish_reason,
         "prompt_tokens": len(req.input_ids),
         "weight_version": version,
+        **({"weight_version_spans": [[i, v] for i, v in res.version_spans]} if len(res.version_spans) > 1 else {}),
         "num_retractions": res.num_retractions,
         "reasoning_tokens": 0,
         "completion_tokens": len(res.output_ids),

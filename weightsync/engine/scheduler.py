@@ -8,6 +8,15 @@ scheduler's decision but its :class:`Gate`'s -- the engine's weight-update sessi
 generation for a pause and hand their work to the driver thread as jobs (:meth:`Scheduler.call`):
 a job runs between batches, never inside one.
 
+**Flips.** A pause-free update is published by :meth:`Scheduler.flip`: the session's copy of the
+weights becomes the served one on every rank at a step boundary. A running batch flips between
+two of its decode steps (rank 0 takes the flip through the batch's ``take_flip`` hook and every
+rank applies it before the next forward step), so its requests keep their KV and go on under the
+new version; ``recompute`` instead requeues them with their tokens (they re-prefill under the new
+version), ``abort`` ends them. With no batch running the flip is a job. Every answer carries its
+versions (:attr:`~weightsync.engine.engine.GenResult.version_spans`): the one it started with and
+each flip's from the output index it took effect at.
+
 Stopping a batch (:meth:`Scheduler.stop_generation`) ends it at its next step. ``abort`` ends its
 requests and answers the queued ones, all with finish reason ``abort`` and the tokens they had;
 ``retract`` requeues its unfinished requests *with the tokens they generated*: when generation
@@ -40,8 +49,10 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from weightsync.engine.answers import Pending, aborted, continuation, merged, spans_of
+from weightsync.engine.config import IN_FLIGHT_AT_FLIP
 from weightsync.engine.control import Driver, Op, RankError
-from weightsync.engine.engine import GenRequest, GenResult
+from weightsync.engine.engine import FlipAt, GenRequest
 from weightsync.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -92,47 +103,16 @@ class Gate(Protocol):
 
 
 @dataclass(slots=True)
-class _Pending:
-    req: GenRequest
-    """What runs next: the request itself, or its continuation after a retract."""
-    future: Future
-    partial: GenResult | None = None
-    """What the request generated before it was retracted (None: never retracted)."""
+class _Flip:
+    """A pending publication (:meth:`Scheduler.flip`)."""
 
-
-def _aborted(req: GenRequest, why: str, partial: GenResult | None = None) -> GenResult:
-    res = partial if partial is not None else GenResult(rid=req.rid)
-    res.finish_reason = {"type": "abort", "message": why}
-    return res
-
-
-def _merge(partial: GenResult | None, new: GenResult) -> GenResult:
-    """A retracted request's result so far followed by what its continuation generated."""
-    if partial is None:
-        return new
-    return GenResult(
-        rid=partial.rid,
-        output_ids=partial.output_ids + new.output_ids,
-        output_logprobs=partial.output_logprobs + new.output_logprobs,
-        input_logprobs=partial.input_logprobs,
-        output_top_logprobs=partial.output_top_logprobs + new.output_top_logprobs,
-        output_token_ids_logprobs=partial.output_token_ids_logprobs + new.output_token_ids_logprobs,
-        input_top_logprobs=partial.input_top_logprobs,
-        input_token_ids_logprobs=partial.input_token_ids_logprobs,
-        finish_reason=new.finish_reason,
-        num_retractions=partial.num_retractions,
-    )
-
-
-def _continuation(req: GenRequest, done: GenResult) -> GenRequest:
-    """The request that goes on from ``done``: prompt + generated tokens, no prompt logprobs again."""
-    original = req.input_ids[: len(req.input_ids) - len(req.prior_output_ids)]
-    return dataclasses.replace(
-        req,
-        input_ids=original + tuple(done.output_ids),
-        prior_output_ids=tuple(done.output_ids),
-        logprob_start_len=-1,
-    )
+    version: str
+    on_flip: Callable[[], None]
+    """Called under the lock when the flip is applied (the sessions publish the version)."""
+    taken: bool = False
+    """A running batch took it (else the flip job applies it)."""
+    answer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 def _resolve(fut: Future, value: Any = None, exc: BaseException | None = None) -> None:
@@ -184,16 +164,21 @@ class Scheduler:
         """Set once, by the engine's update sessions (:meth:`attach`), before :meth:`start`."""
         self.lock = threading.Condition()
         """Guards the queue and the gate's state; notified whenever either changes."""
-        self._pending: deque[_Pending] = deque()
+        self._pending: deque[Pending] = deque()
         self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()
         self.running = False
         """A batch is running (read under :attr:`lock`)."""
-        self._abort = False
+        self._batches = 0
+        """Batches started so far (the running one's number, while one runs)."""
+        self._stop_at: int | None = None
+        """The batch being stopped (a stop never reaches the batches after it)."""
         self._retract = False
         self._cancel: set[str] = set()
         """rids that ``abort_request`` ends while their batch runs (the others are requeued)."""
         self._rids: set[str] = set()
         """rids of every request not answered yet (sglang refuses a duplicate)."""
+        self._flip: _Flip | None = None
+        """The publication a running batch applies at its next step boundary (None: none pending)."""
         self.fault: str | None = None
         """Why the engine is unhealthy (a batch failed on some rank, the driver is stuck), or None."""
         self.stopped = False
@@ -228,7 +213,6 @@ class Scheduler:
         then left to die with this process)."""
         with self.lock:
             self.stopped = True
-            self._abort = True
             self.lock.notify_all()
         self._thread.join(timeout=self.stop_timeout_s)
         if self._thread.is_alive():
@@ -257,11 +241,12 @@ class Scheduler:
                     if not batch:
                         continue
                     self.running = True
-                    version = self._version()
+                    self._batches += 1
+                    version, number = self._version(), self._batches
             if batch is None:
                 self._run_job(job, fut)
             else:
-                self._run_batch(batch, version)
+                self._run_batch(batch, version, number)
         with self.lock:
             for p in self._pending:
                 self._answer(p, exc=Unavailable("the engine is shutting down"))
@@ -276,9 +261,10 @@ class Scheduler:
         except BaseException as exc:  # handed to the waiting caller, which re-raises it
             fut.set_exception(exc)
 
-    def _run_batch(self, batch: list[_Pending], version: str) -> None:
+    def _run_batch(self, batch: list[Pending], version: str, number: int) -> None:
         try:
-            results = self.driver.run(Op.GENERATE, should_abort=lambda: self._abort, reqs=[p.req for p in batch])[0]
+            results = self.driver.run(Op.GENERATE, should_abort=lambda: self.stopped or self._stop_at == number,
+                                      take_flip=self._take_flip, reqs=[p.req for p in batch])[0]
         except BaseException as exc:
             step_failed = isinstance(exc, RankError) and exc.step_error
             with self.lock:
@@ -293,18 +279,20 @@ class Scheduler:
         with self.lock:
             requeue = []
             for p, r in zip(batch, results):
-                merged = _merge(p.partial, r)
-                aborted = bool(r.finish_reason) and r.finish_reason.get("type") == "abort"
-                if aborted and self._retract and p.req.rid not in self._cancel and "status_code" not in r.finish_reason:
-                    merged.num_retractions += 1
-                    requeue.append(_Pending(_continuation(p.req, merged), p.future, merged))
+                spans = spans_of(p, r, version)
+                answer = merged(p.partial, r)
+                answer.version_spans = spans
+                ended = bool(r.finish_reason) and r.finish_reason.get("type") == "abort"
+                if ended and self._retract and p.req.rid not in self._cancel and "status_code" not in r.finish_reason:
+                    answer.num_retractions += 1
+                    requeue.append(Pending(continuation(p.req, answer), p.future, answer))
                 else:
-                    self._answer(p, (merged, version))
+                    self._answer(p, (answer, spans[-1][1]))
             self._pending.extendleft(reversed(requeue))
             self.running = False
             self.lock.notify_all()
 
-    def _answer(self, p: _Pending, value: Any = None, exc: BaseException | None = None) -> None:
+    def _answer(self, p: Pending, value: Any = None, exc: BaseException | None = None) -> None:
         """Resolve ``p`` and forget its rid (caller holds the lock)."""
         self._rids.discard(p.req.rid)
         _resolve(p.future, value, exc)
@@ -317,15 +305,23 @@ class Scheduler:
             Unavailable: shutting down, or the engine is faulted.
             EngineTimeout: no result in time (the engine is marked faulted: its driver is stuck).
         """
-        fut: Future = Future()
-        limit = self.job_timeout_s if timeout_s is None else timeout_s
         with self.lock:
-            if self.stopped:
-                raise Unavailable("the engine is shutting down")
-            if self.fault is not None:
-                raise Unavailable(f"the engine is faulted ({self.fault}); restart it")
-            self._jobs.append((job, fut))
-            self.lock.notify_all()
+            fut = self._queue_job(job)
+        return self._wait_job(fut, what, timeout_s)
+
+    def _queue_job(self, job: Callable[[], Any]) -> Future:
+        """Queue ``job`` for the driver thread (caller holds the lock)."""
+        if self.stopped:
+            raise Unavailable("the engine is shutting down")
+        if self.fault is not None:
+            raise Unavailable(f"the engine is faulted ({self.fault}); restart it")
+        fut: Future = Future()
+        self._jobs.append((job, fut))
+        self.lock.notify_all()
+        return fut
+
+    def _wait_job(self, fut: Future, what: str, timeout_s: float | None) -> Any:
+        limit = self.job_timeout_s if timeout_s is None else timeout_s
         try:
             return fut.result(timeout=limit)
         except TimeoutError:
@@ -335,6 +331,70 @@ class Scheduler:
             with self.lock:
                 self.fault = f"{what or 'an engine job'} did not finish within {limit:.0f} s"
             raise EngineTimeout(f"{self.fault}; the engine is marked faulted (restart it)") from None
+
+    # ------------------------------------------------------------------ flips
+
+    def flip(self, version: str, *, on_flip: Callable[[], None], in_flight: str = "keep") -> dict[str, Any]:
+        """Publish the open update session's copy on every rank (module docstring, "Flips") and
+        wait until rank 0 serves it.
+
+        Args:
+            version: the version it publishes (the running requests' spans record it).
+            on_flip: called under the lock as the flip is applied (the sessions' publication).
+            in_flight: ``keep``, ``recompute`` or ``abort``: what becomes of a running batch.
+
+        Returns:
+            Rank 0's :meth:`~weightsync.engine.engine.Engine.publish` answer (``flip``,
+            ``seconds``), ``at`` (``step`` or ``between batches``) and ``idle_s``: how long
+            generation stood still for it (the flip's own seconds at a step, the job's otherwise).
+
+        Raises:
+            ValueError: an unknown ``in_flight``.
+            EngineTimeout, Unavailable: as :meth:`call`.
+        """
+        if in_flight not in IN_FLIGHT_AT_FLIP:
+            raise ValueError(f"in_flight must be one of {', '.join(IN_FLIGHT_AT_FLIP)}, got {in_flight!r}")
+        req = _Flip(version, on_flip)
+        with self.lock:
+            # queued before a batch is stopped: the flip runs before the requeued requests do
+            fut = self._queue_job(lambda: self._flip_job(req))
+            if self.running and in_flight == "keep":
+                self._flip = req
+            elif self.running:
+                self._stop_batch(requeue=in_flight == "recompute")
+        self._wait_job(fut, "the flip", None)
+        return req.answer
+
+    def _take_flip(self) -> FlipAt | None:
+        """Rank 0, at a step boundary of the running batch: the pending flip, if any."""
+        with self.lock:
+            req, self._flip = self._flip, None
+            if req is None:
+                return None
+            req.taken = True
+            req.on_flip()
+
+        def done(out: dict[str, Any]) -> None:
+            req.answer = {**out, "at": "step", "idle_s": out["seconds"]}
+            req.done.set()
+
+        return FlipAt(version=req.version, done=done)
+
+    def _flip_job(self, req: _Flip) -> None:
+        """The flip as a job: nothing when the batch before it took it; else on every rank now."""
+        with self.lock:
+            if self._flip is req:
+                self._flip = None
+        if req.taken:  # by the batch before this job: it flipped, or it failed before it could
+            if not req.done.is_set():
+                raise RuntimeError("the flip was taken by a generation batch that failed before applying it")
+            return
+        t0 = time.perf_counter()
+        out = self.driver.run(Op.PUBLISH)[0]
+        with self.lock:
+            req.on_flip()
+        req.answer = {**out, "at": "between batches", "idle_s": time.perf_counter() - t0}
+        req.done.set()
 
     # ------------------------------------------------------------------ generation
 
@@ -361,7 +421,7 @@ class Scheduler:
                 raise ValueError(f"duplicate request id(s) {dup[:5]}: a request with this rid is still in flight")
             for r in reqs:
                 fut: Future = Future()
-                self._pending.append(_Pending(r, fut))
+                self._pending.append(Pending(r, fut))
                 self._rids.add(r.rid)
                 futures.append(fut)
             self.lock.notify_all()
@@ -383,15 +443,17 @@ class Scheduler:
         """
         if not self.running:
             return
-        self._abort, self._retract, self._cancel = True, requeue, set(cancel)
+        number = self._batches  # the requests it requeues may start the next batch before this wakes
+        self._stop_at, self._retract, self._cancel = number, requeue, set(cancel)
         end = time.monotonic() + self.stop_timeout_s
         try:
-            while self.running:
+            while self.running and self._batches == number:
                 if not self.lock.wait(timeout=max(end - time.monotonic(), 0.0)) and time.monotonic() >= end:
                     self.fault = f"the running batch did not stop within {self.stop_timeout_s:.0f} s"
                     raise EngineTimeout(f"{self.fault}; the engine is marked faulted (restart it)")
         finally:
-            self._abort, self._retract, self._cancel = False, False, set()
+            if self._stop_at == number:
+                self._stop_at, self._retract, self._cancel = None, False, set()
 
     def stop_generation(self, why: str, *, retract: bool) -> int:
         """Stop the running batch (waits) and, unless retracting, answer queued requests as aborted."""
@@ -400,7 +462,7 @@ class Scheduler:
             if not retract:
                 dropped = len(self._pending)
                 for p in self._pending:
-                    self._answer(p, (_aborted(p.req, why, p.partial), self._version()))
+                    self._answer(p, (aborted(p.req, why, p.partial), self._version()))
                 self._pending.clear()
             self._stop_batch(requeue=retract)
             return dropped
@@ -421,7 +483,7 @@ class Scheduler:
             for p in list(self._pending):
                 if p.req.rid == rid:
                     self._pending.remove(p)
-                    self._answer(p, (_aborted(p.req, why, p.partial), self._version()))
+                    self._answer(p, (aborted(p.req, why, p.partial), self._version()))
                     return 1
             if rid in self._rids and self.running:
                 self._stop_batch(requeue=True, cancel={rid})

@@ -174,8 +174,9 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
         stop_timeout_s=cfg.collective_timeout_s + 60.0,
         job_timeout_s=max(3 * cfg.collective_timeout_s, cfg.group_timeout_s) + 60.0,
     )
-    sessions = UpdateSessions(sched, transfer_infos=driver.run(Op.TRANSFER_INFO), weight_version=cfg.weight_version,
-                              group_timeout_s=cfg.group_timeout_s)
+    infos = driver.run(Op.TRANSFER_INFO)
+    sessions = UpdateSessions(sched, transfer_infos=infos, weight_version=cfg.weight_version,
+                              group_timeout_s=cfg.group_timeout_s, in_flight_at_flip=cfg.in_flight_at_flip)
     tokenizer = load_tokenizer(engine.spec.vocab_size, cfg.checkpoint)
     engine.eos_token_ids = tokenizer.eos_token_ids
     engine.decode = tokenizer.decode
@@ -186,6 +187,8 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
         config_dir = tempfile.mkdtemp(prefix=f"weightsync-{cfg.model}-config-")
         (Path(config_dir) / "config.json").write_text(json.dumps(hf_config_dict(engine.spec), indent=1))
     info = server_info(cfg, engine.spec, par, model_path=cfg.checkpoint or config_dir, tokenizer=tokenizer.name)
+    info["weightsync"]["shadow"] = {"pause_free": sessions.shadow, "ranks": [i.shadow for i in infos],
+                                    "in_flight_at_flip": cfg.in_flight_at_flip}
     sched.start()
     try:
         server = uvicorn.Server(

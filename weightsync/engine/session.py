@@ -11,9 +11,15 @@ state (:meth:`UpdateSessions._enter`, the one place the state changes).
 
 Generation is the :class:`~weightsync.engine.scheduler.Scheduler`'s: this object is its gate (what
 may queue, when a batch may start) and stops it for a pause; every driver call of a session runs
-as a scheduler job, between batches. A new way to update (a shadow copy written while generation
-goes on, published by a flip at a batch boundary) is new rows in the table and a method here that
-looks them up, as :meth:`UpdateSessions.begin` does for ``begin_weight_update``.
+as a scheduler job, between batches.
+
+A session writes one copy of the weights (:mod:`weightsync.sync.weight_copies`): opened the
+sglang way (on a paused engine), the home copy whose addresses sglang's table publishes; opened
+pause-free (``begin_weight_update`` with ``pause_free``), the shadow, while the engine keeps
+generating from the served copy. The weights are dirty only while a session may write the served
+copy (in place). A session on another copy is published by a flip (:meth:`Scheduler.flip
+<weightsync.engine.scheduler.Scheduler.flip>`: at a step boundary of the running batch, or between
+batches) and aborted without touching what is served.
 
 Typical usage (rank 0 of ``weightsync serve``)::
 
@@ -33,11 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.engine.control import Op
+from weightsync.engine.engine import TransferInfo
 from weightsync.engine.loader import validate_checkpoint
 from weightsync.engine.scheduler import Scheduler, Unavailable
 from weightsync.engine.states import Conflict, Event, Facts, Rule, State, When, decide
 from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.sync.broadcast_receiver import check_update_request
+from weightsync.sync.weight_copies import FLIPS
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,12 @@ class Session:
     """An update call or ``reset_tensors`` wrote during it."""
     version: str | None = None
     """The version ``end_weight_update`` publishes (given inside the session)."""
+    pause_free: bool = False
+    """Opened pause-free: it writes the shadow while the engine generates."""
+    copy: int = 0
+    """The copy it writes (an index into the published tables)."""
+    flip: str | None = None
+    """How its publication flips (``swap``, ``copy``), None when it writes the served copy in place."""
 
 
 class UpdateSessions:
@@ -68,14 +82,17 @@ class UpdateSessions:
     rule; driver work (begin, end, writes, the checker, groups) runs as a scheduler job.
     """
 
-    def __init__(self, scheduler: Scheduler, *, transfer_infos: list[Any], weight_version: str = "default",
-                 group_timeout_s: float | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, *, transfer_infos: list[TransferInfo], weight_version: str = "default",
+                 group_timeout_s: float | None = None, in_flight_at_flip: str = "keep") -> None:
         """Args:
         scheduler: rank 0's scheduler (this object becomes its gate).
-        transfer_infos: every rank's ``(session id, weights, descriptor)``: what senders write to.
+        transfer_infos: every rank's :class:`~weightsync.engine.engine.TransferInfo`: what senders
+            write to, and the copies each rank holds.
         weight_version: the version published at start.
         group_timeout_s: how long joining a weight-update group may take (default: the engine's
             receivers' own timeout).
+        in_flight_at_flip: what a flip does to the running batch (``keep``, ``recompute``,
+            ``abort``; :meth:`Scheduler.flip <weightsync.engine.scheduler.Scheduler.flip>`).
         """
         self.scheduler = scheduler
         self.driver = scheduler.driver
@@ -85,10 +102,11 @@ class UpdateSessions:
         self.weight_version = weight_version
         self.group_timeout_s = (group_timeout_s if group_timeout_s is not None
                                 else getattr(self.driver.engine.broadcast, "timeout_s", DEFAULT_GROUP_TIMEOUT_S))
-        self.p2p = any(not str(info[0]).startswith("none://") for info in transfer_infos)
+        self.p2p = any(not info.session_id.startswith("none://") for info in transfer_infos)
         """Senders can write this engine's memory directly (a p2p transport is registered)."""
-        self.staged = bool(getattr(self.driver.engine.p2p, "staged", False))
-        """p2p writes land in an inbox that only ``end_weight_update`` copies in."""
+        self.shadow = all(info.shadow["pause_free"] for info in transfer_infos)
+        """Every rank holds a shadow copy: pause-free sessions are possible."""
+        self.in_flight_at_flip = in_flight_at_flip
         self.state = State.SERVING
         self.dirty = False
         self.session: Session | None = None
@@ -102,7 +120,7 @@ class UpdateSessions:
         s = self.session
         return Facts(dirty=self.dirty, generating=self.scheduler.generating(), running=self.scheduler.running,
                      wrote=s is not None and s.wrote, writable=self.p2p,
-                     version_given=s is not None and s.version is not None)
+                     version_given=s is not None and s.version is not None, shadow=self.shadow)
 
     def _decide(self, event: Event, what: str = "") -> Rule:
         """The rule for ``event`` now (caller holds the lock).
@@ -139,8 +157,9 @@ class UpdateSessions:
     # ------------------------------------------------------------------ the scheduler's gate
 
     def may_generate(self) -> bool:
-        """A batch may start: serving, clean weights (the ``generate`` rows that run)."""
-        return self.state is State.SERVING and not self.dirty
+        """A batch may start: serving (a pause-free session may be open), clean weights (the
+        ``generate`` rows that run)."""
+        return self.state in (State.SERVING, State.SHADOW_UPDATING, State.SHADOW_ENDED) and not self.dirty
 
     def admit(self) -> None:
         """A new ``/generate`` request may queue (the ``generate`` rows; lock held).
@@ -170,36 +189,50 @@ class UpdateSessions:
 
     # ------------------------------------------------------------------ a session
 
-    def begin(self) -> dict[str, Any]:
-        """``/begin_weight_update``: open a session on a paused engine; returns its id.
+    def begin(self, pause_free: bool = False, flip: str = "swap") -> dict[str, Any]:
+        """``/begin_weight_update``: open a session -- on a paused engine, or ``pause_free`` on a
+        serving one that holds a shadow copy; returns its id, the copy it writes
+        (``target_copy``, an index into the published tables) and how it is published (``flip``).
 
         Raises:
-            Conflict: the engine is serving (pause first) or a session is open.
+            Conflict: the engine is serving (pause first, or pause-free), a session is open, or
+                pause-free without a shadow copy.
+            ValueError: an unknown ``flip``.
         """
+        if flip not in FLIPS:
+            raise ValueError(f"flip must be one of {', '.join(FLIPS)}, got {flip!r}")
+        event = Event.BEGIN_SHADOW if pause_free else Event.BEGIN
         with self.lock:
-            rule = self._decide(Event.BEGIN)
+            rule = self._decide(event)
             previous = self.session
-            self.session = Session(id=secrets.token_hex(8))
+            self.session = Session(id=secrets.token_hex(8), pause_free=pause_free)
             self._enter(rule)
             if previous is not None:
                 logger.warning("update session %s ended without publishing; session %s takes over",
                                previous.id, self.session.id)
         try:
-            self.scheduler.call(lambda: self.driver.run(Op.BEGIN_UPDATE), "begin_weight_update")
+            per_rank = self.scheduler.call(lambda: self.driver.run(Op.BEGIN_UPDATE, pause_free=pause_free, flip=flip),
+                                           "begin_weight_update")
         except BaseException:
             with self.lock:
-                if self.state is State.UPDATING:  # (unless an abort closed the session meanwhile)
+                if self.state in (State.UPDATING, State.SHADOW_UPDATING):  # (unless an abort closed it meanwhile)
                     self.session = None
                     self._enter(self._decide(Event.BEGIN_FAILED))
             raise
+        first = per_rank[0]
         with self.lock:
-            if self.p2p and not self.staged:
+            session = self.session
+            assert session is not None
+            session.copy, session.flip = first["target_copy"], first["flip"]
+            if self.p2p and first["in_place"]:
                 self.dirty = True  # senders may write the served memory from now on
-            return {"success": True, "message": "Success", "session_id": self.session.id}
+            return {"success": True, "message": "Success", "session_id": session.id, "pause_free": pause_free,
+                    "target_copy": session.copy, "flip": session.flip, "state": self.state.value,
+                    "refreshed_bytes": sum(r["refreshed_bytes"] for r in per_rank)}
 
     def end(self, session_id: str | None = None) -> dict[str, Any]:
-        """``/end_weight_update``: commit a staged inbox, post-load derivations on every rank, then
-        publish the session's version (when it has one and wrote) or wait for the publication.
+        """``/end_weight_update``: post-load on the session's copy on every rank, then publish the
+        session's version (when it has one and wrote) or wait for the publication.
 
         Raises:
             Conflict: no session is open (or another one is).
@@ -209,35 +242,55 @@ class UpdateSessions:
             self._decide(Event.END)
         per_rank = self.scheduler.call(lambda: self.driver.run(Op.END_UPDATE), "end_weight_update")
         with self.lock:
-            if self.staged:
-                self.dirty = True  # the inbox is served now: it may hold anything a sender wrote
+            self._check_session(session_id)
             rule = self._decide(Event.END)
             session = self.session
             assert session is not None
+        published: dict[str, Any] = {}
+        if rule.when is When.NOTHING_WRITTEN:
+            # reset_tensors -> begin -> end serves nothing: dirty weights stay dirty
+            self.scheduler.call(lambda: self.driver.run(Op.ABORT_UPDATE), "end_weight_update")
+            message = "Success. Nothing was written." + (" The weights stay dirty." if self.dirty else "")
+        elif rule.when is When.VERSION_GIVEN:
+            published = self._flip(session)
+            message = f"Success. Weight version {session.version} published."
+        else:
+            message = ("Success. The weights are not published yet: verify them, then call "
+                       "/update_weight_version (or /abort_weight_update).")
+        with self.lock:
             if rule.when is When.NOTHING_WRITTEN:
-                # reset_tensors -> begin -> end serves nothing: dirty weights stay dirty
                 self.session = None
-                message = "Success. Nothing was written." + (" The weights stay dirty." if self.dirty else "")
             elif rule.when is When.VERSION_GIVEN:
-                self._publish(session.version)  # type: ignore[arg-type]
-                message = f"Success. Weight version {session.version} published."
-            else:
-                self.dirty = True
-                message = ("Success. The weights are not published yet: verify them, then call "
-                           "/update_weight_version (or /abort_weight_update).")
+                self._published(session.version)  # type: ignore[arg-type]
             self._enter(rule)
             return {"success": True, "message": message, "post_load_seconds": max(per_rank),
-                    "per_rank_post_load_seconds": per_rank, "state": self.state.value, "weights_dirty": self.dirty}
+                    "per_rank_post_load_seconds": per_rank, "state": self.state.value, "weights_dirty": self.dirty,
+                    **published}
 
-    def _publish(self, version: str) -> None:
-        """The session's weights become the served ones at ``version`` (caller holds the lock)."""
+    def _flip(self, session: Session) -> dict[str, Any]:
+        """Publish ``session``'s copy on every rank (a flip, unless it was written in place) and
+        the version with it; waits until it is served. ``{"flip", "flip_at", "flip_seconds",
+        "engine_idle_s"}``."""
+        version = session.version
+        assert version is not None
+
+        def on_flip() -> None:  # under the lock, as the flip is applied: batches from here carry it
+            self.weight_version = version
+
+        out = self.scheduler.flip(version, on_flip=on_flip, in_flight=self.in_flight_at_flip)
+        return {"flip": out.get("flip"), "flip_at": out["at"], "flip_seconds": out["seconds"],
+                "engine_idle_s": out["idle_s"]}
+
+    def _published(self, version: str) -> None:
+        """The session's weights are the served ones at ``version`` (caller holds the lock)."""
         self.weight_version = version
         self.dirty = False
         self.session = None
 
     def abort(self, session_id: str | None = None) -> dict[str, Any]:
-        """``/abort_weight_update`` (an extension): end the session without publishing; the engine
-        stays paused at its old version, dirty if anything reached the served weights.
+        """``/abort_weight_update`` (an extension): end the session without publishing. A session
+        opened the sglang way leaves the engine paused at its old version, dirty if it wrote the
+        served copy; a pause-free one leaves it serving, untouched.
 
         Raises:
             Conflict: no session to abort (or another one is current).
@@ -249,14 +302,17 @@ class UpdateSessions:
             self.session = None
             self._enter(rule)
             self._fail_queued_if_refused()
+        self.scheduler.call(lambda: self.driver.run(Op.ABORT_UPDATE), "abort_weight_update")
+        with self.lock:
             return {"success": True, "message": f"Update session {aborted} aborted; weight version "
                                                 f"{self.weight_version!r} (dirty: {self.dirty}).",
-                    "weights_dirty": self.dirty, "weight_version": self.weight_version}
+                    "weights_dirty": self.dirty, "weight_version": self.weight_version, "state": self.state.value}
 
     def set_weight_version(self, version: str, abort_all_requests: bool = False,
-                           session_id: str | None = None) -> str:
-        """``/update_weight_version``: the ``update_weight_version`` rows. Returns the effect:
-        ``pending``, ``published`` or ``labelled``.
+                           session_id: str | None = None) -> dict[str, Any]:
+        """``/update_weight_version``: the ``update_weight_version`` rows. Returns ``effect``
+        (``pending``, ``published`` or ``labelled``) and, for a publication, the flip's
+        (:meth:`_flip`).
 
         Raises:
             Conflict: dirty weights outside an update (a label cannot clean them).
@@ -269,18 +325,22 @@ class UpdateSessions:
         with self.lock:
             self._check_session(session_id)
             rule = self._decide(Event.VERSION)
-            if self.state is State.UPDATING:
-                assert self.session is not None
-                self.session.version = version
-                effect = "pending"
-            elif self.state is State.ENDED:
-                self._publish(version)
-                effect = "published"
-            else:
+            session = self.session
+            if self.state in (State.UPDATING, State.SHADOW_UPDATING):
+                assert session is not None
+                session.version = version
+                self._enter(rule)
+                return {"effect": "pending", "state": self.state.value}
+            if session is None:
                 self.weight_version = version
-                effect = "labelled"
+                self._enter(rule)
+                return {"effect": "labelled", "state": self.state.value}
+            session.version = version
+        published = self._flip(session)
+        with self.lock:
+            self._published(version)
             self._enter(rule)
-            return effect
+            return {"effect": "published", "state": self.state.value, **published}
 
     # ------------------------------------------------------------------ writes
 
@@ -297,11 +357,12 @@ class UpdateSessions:
 
     def _run_update(self, what: str, job: Callable[[], list[Any]], weight_version: str | None, message: str,
                     session_id: str | None) -> dict[str, Any]:
-        """Run an update call inside the open session (it makes the weights dirty unless staged)."""
+        """Run an update call inside the open session (the weights are dirty where it writes the
+        served copy)."""
         with self.lock:
             session = self._require_session(what, session_id)
             session.wrote = True
-            if not self.staged:
+            if session.flip is None:
                 self.dirty = True
         per_rank = self.scheduler.call(job, what)
         out: dict[str, Any] = {"success": True, "per_rank": per_rank}
@@ -431,7 +492,7 @@ class UpdateSessions:
             with self.lock:
                 rule = self._decide(Event.RESET)
                 self.dirty = True
-                if self.state is State.UPDATING:
+                if self.state in (State.UPDATING, State.SHADOW_UPDATING):
                     assert self.session is not None
                     self.session.wrote = True
                 self._enter(rule)
@@ -455,6 +516,8 @@ class UpdateSessions:
                 "weight_version": self.weight_version,
                 "session_id": self.session.id if self.session is not None else None,
                 "pending_weight_version": self.session.version if self.session is not None else None,
+                "session_pause_free": self.session.pause_free if self.session is not None else None,
+                "shadow": self.shadow,
                 **self.scheduler.status(),
             }
 

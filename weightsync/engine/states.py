@@ -8,8 +8,11 @@ docs/engine.md, "States", is this table as :func:`states_markdown` renders it
 (tests/test_structure_engine_states.py keeps the two equal and checks that every state answers
 every event under every condition).
 
-A new way to update (a shadow copy written while generation goes on, published by a flip at a
-batch boundary) is new events and rows here, and a method of the sessions that looks them up.
+Two kinds of session share the table. One opened the sglang way (``begin_weight_update`` on a
+paused engine) goes through ``updating`` and ``ended`` while generation waits. One opened
+pause-free (``begin_weight_update`` with ``pause_free``, on an engine that holds a shadow copy of
+its parameters) goes through ``shadow_updating`` and ``shadow_ended`` while the engine keeps
+generating from its served copy; its publication is a flip at a step boundary.
 """
 
 from __future__ import annotations
@@ -38,9 +41,13 @@ class State(enum.StrEnum):
     SERVING = "serving"
     PAUSED = "paused"
     UPDATING = "updating"
-    """A session is open: writes are accepted."""
+    """A session is open, generation waits: writes are accepted."""
     ENDED = "ended"
     """A session ended (post-load done) and waits for its holder to publish a version."""
+    SHADOW_UPDATING = "shadow_updating"
+    """A pause-free session is open: writes go to the shadow, the engine generates from the served copy."""
+    SHADOW_ENDED = "shadow_ended"
+    """A pause-free session ended (post-load on the shadow done); the engine generates meanwhile."""
 
 
 class Event(enum.StrEnum):
@@ -50,6 +57,8 @@ class Event(enum.StrEnum):
     PAUSE = "pause_generation"
     CONTINUE = "continue_generation"
     BEGIN = "begin_weight_update"
+    BEGIN_SHADOW = "begin_weight_update pause_free"
+    """``begin_weight_update`` with ``pause_free`` (an extension)."""
     BEGIN_FAILED = "begin fails on a rank"
     WRITE = "update_weights_from_*"
     """``update_weights_from_distributed``, ``_tensor``, ``_disk``."""
@@ -71,6 +80,8 @@ class When(enum.StrEnum):
     """No update call or reset wrote in the session, and no sender can write the memory (no p2p)."""
     VERSION_GIVEN = "a version was given"
     """``update_weight_version`` inside the session, or an update call's ``weight_version``."""
+    NO_SHADOW = "no shadow copy"
+    """The engine holds no shadow copy (``serve --shadow off``, or no memory for one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +94,7 @@ class Facts:
     wrote: bool
     writable: bool
     version_given: bool
+    shadow: bool
 
 
 HOLDS: dict[When, Callable[[Facts], bool]] = {
@@ -92,6 +104,7 @@ HOLDS: dict[When, Callable[[Facts], bool]] = {
     When.BATCH_RUNNING: lambda f: f.running,
     When.NOTHING_WRITTEN: lambda f: not (f.wrote or f.writable),
     When.VERSION_GIVEN: lambda f: f.version_given,
+    When.NO_SHADOW: lambda f: not f.shadow,
 }
 
 
@@ -113,19 +126,24 @@ class Rule:
 
 
 S, P, U, E = State.SERVING, State.PAUSED, State.UPDATING, State.ENDED
+SU, SE = State.SHADOW_UPDATING, State.SHADOW_ENDED
 DIRTY_WHY = ("the engine's weights are dirty (reset, or partly written by an update that was not published) and no "
              "update is in progress: nothing is served until an update session writes, verifies and publishes them "
              "(weight version still {version!r})")
 PAUSE_FIRST = "; call /pause_generation first"
+IN_PROGRESS = "a weight update is already in progress (begin_weight_update was called); end or abort it first"
 
 TRANSITIONS: tuple[Rule, ...] = (
-    Rule((S, P), Event.GENERATE, None, When.DIRTY, Unavailable, DIRTY_WHY,
+    Rule((S, P, SU, SE), Event.GENERATE, None, When.DIRTY, Unavailable, DIRTY_WHY,
          note="dirty weights are never served; queued requests too are answered so"),
     Rule((S,), Event.GENERATE, None, note="runs in the next batch"),
     Rule((P,), Event.GENERATE, None, note="queued until continue_generation"),
     Rule((U, E), Event.GENERATE, None, note="queued; runs after the publication and continue_generation"),
+    Rule((SU, SE), Event.GENERATE, None, note="runs in the next batch, from the served copy"),
     Rule((S,), Event.PAUSE, P, note="the running batch stops: abort ends it and the queued requests; retract and "
                                     "in_place requeue its unfinished requests with their tokens"),
+    Rule((SU,), Event.PAUSE, U, note="the same stop; the pause-free session goes on with generation paused"),
+    Rule((SE,), Event.PAUSE, E, note="the same stop; the ended pause-free session waits paused"),
     Rule((P, U, E), Event.PAUSE, None, note="the same stop; the state is kept"),
     Rule((U,), Event.CONTINUE, None, refuse=Conflict,
          why="a weight update is in progress; call /end_weight_update first"),
@@ -135,42 +153,67 @@ TRANSITIONS: tuple[Rule, ...] = (
     Rule((S, P), Event.CONTINUE, None, When.DIRTY, Conflict, DIRTY_WHY,
          note="dirty weights are never served: a session must write, verify and publish first"),
     Rule((S, P), Event.CONTINUE, S, note="queued requests run"),
-    Rule((U,), Event.BEGIN, None, refuse=Conflict,
-         why="a weight update is already in progress (begin_weight_update was called); end or abort it first"),
-    Rule((S,), Event.BEGIN, None, When.GENERATING, Conflict, "begin_weight_update while generation is in progress"
-         + PAUSE_FIRST),
-    Rule((S,), Event.BEGIN, None, refuse=Conflict, why="begin_weight_update needs a paused engine" + PAUSE_FIRST),
+    Rule((SU, SE), Event.CONTINUE, None, note="generation runs already"),
+    Rule((U, SU), Event.BEGIN, None, refuse=Conflict, why=IN_PROGRESS),
+    Rule((S, SE), Event.BEGIN, None, When.GENERATING, Conflict, "begin_weight_update while generation is in "
+         "progress" + PAUSE_FIRST),
+    Rule((S, SE), Event.BEGIN, None, refuse=Conflict, why="begin_weight_update needs a paused engine (or "
+         "pause_free)" + PAUSE_FIRST),
     Rule((P, E), Event.BEGIN, None, When.BATCH_RUNNING, Conflict, "begin_weight_update while a batch is running"
          + PAUSE_FIRST),
-    Rule((P,), Event.BEGIN, U, note="a new session, its id in the answer; dirty from here on where senders write the "
-                                    "served memory (p2p, not staged)"),
-    Rule((E,), Event.BEGIN, U, note="a new session replaces the unpublished one (recovery); dirty as above"),
+    Rule((P,), Event.BEGIN, U, note="a new session, its id in the answer; it writes the home copy (the addresses "
+                                    "sglang's table publishes): in place when served (dirty from here on where "
+                                    "senders write it, p2p), else a shadow refreshed from the served copy"),
+    Rule((E,), Event.BEGIN, U, note="a new session replaces the unpublished one (recovery); as above"),
+    Rule((U, SU), Event.BEGIN_SHADOW, None, refuse=Conflict, why=IN_PROGRESS),
+    Rule((S, P, E, SE), Event.BEGIN_SHADOW, None, When.NO_SHADOW, Conflict,
+         "this engine holds no shadow copy (serve --shadow off, or no memory for one): update it paused (pause, "
+         "then begin without pause_free)", note="the updater falls back to the paused transaction"),
+    Rule((P, E), Event.BEGIN_SHADOW, None, When.BATCH_RUNNING, Conflict, "begin_weight_update while a batch is "
+         "running" + PAUSE_FIRST),
+    Rule((S,), Event.BEGIN_SHADOW, SU, note="a pause-free session, its id and copy in the answer: the shadow, "
+                                             "refreshed from the served copy; generation goes on"),
+    Rule((SE,), Event.BEGIN_SHADOW, SU, note="a new pause-free session replaces the unpublished one (recovery)"),
+    Rule((P, E), Event.BEGIN_SHADOW, U, note="a session on the shadow of a paused engine (replacing an unpublished "
+                                             "one); generation stays paused"),
     Rule((U,), Event.BEGIN_FAILED, P, note="no session; dirty as it was"),
-    Rule((U,), Event.WRITE, None, note="the session wrote; dirty (staged shm: at end); a weight_version given is the "
-                                       "version end publishes"),
-    Rule((S, P, E), Event.WRITE, None, refuse=OutsideSession,
+    Rule((SU,), Event.BEGIN_FAILED, S, note="no session; the served copy untouched"),
+    Rule((U, SU), Event.WRITE, None, note="the session wrote, into its copy: dirty where that is the served copy; a "
+                                          "weight_version given is the version end publishes"),
+    Rule((S, P, E, SE), Event.WRITE, None, refuse=OutsideSession,
          why="{what} must run between begin_weight_update() and end_weight_update() (the engine is {state}); pause, "
              "begin, write, end", note="a write outside a session (sglang 0.5.23's rule too); nothing is written"),
+    Rule((SU, SE), Event.RESET, None, refuse=Conflict, why="reset_tensors during a pause-free weight update; abort "
+         "it, or pause first"),
     Rule((S, P, U, E), Event.RESET, None, When.GENERATING, Conflict, "reset_tensors while generation is in progress"
          + PAUSE_FIRST),
     Rule((S,), Event.RESET, P, note="dirty; queued requests answered 503"),
     Rule((U,), Event.RESET, None, note="dirty; the session wrote"),
     Rule((P, E), Event.RESET, None, note="dirty (paused: queued requests answered 503)"),
-    Rule((S, P, E), Event.END, None, refuse=Conflict, why="no weight update in progress; call /begin_weight_update "
-                                                          "first"),
+    Rule((S, P, E, SE), Event.END, None, refuse=Conflict, why="no weight update in progress; call "
+         "/begin_weight_update first"),
     Rule((U,), Event.END, P, When.NOTHING_WRITTEN, note="post-load; nothing to publish: the session closes, dirty "
                                                         "stays dirty"),
-    Rule((U,), Event.END, P, When.VERSION_GIVEN, note="post-load (a staged inbox copied in first); the session's "
-                                                      "version is published: clean"),
-    Rule((U,), Event.END, E, note="post-load (a staged inbox copied in first); dirty, awaiting publication"),
-    Rule((U,), Event.VERSION, None, note="the version end publishes (effect pending)"),
-    Rule((E,), Event.VERSION, P, note="the publication: clean at the version (effect published)"),
+    Rule((SU,), Event.END, S, When.NOTHING_WRITTEN, note="nothing to publish: the session closes"),
+    Rule((U,), Event.END, P, When.VERSION_GIVEN, note="post-load on the session's copy; the session's version is "
+                                                      "published (a flip where the copy is not the served one): clean"),
+    Rule((SU,), Event.END, S, When.VERSION_GIVEN, note="post-load on the shadow; the session's version is published "
+                                                       "by a flip at the next step boundary"),
+    Rule((U,), Event.END, E, note="post-load on the session's copy; awaiting publication (dirty where it is the "
+                                  "served one)"),
+    Rule((SU,), Event.END, SE, note="post-load on the shadow; awaiting verification and publication"),
+    Rule((U, SU), Event.VERSION, None, note="the version end publishes (effect pending)"),
+    Rule((E,), Event.VERSION, P, note="the publication (a flip where the session's copy is not the served one): "
+                                      "clean at the version (effect published)"),
+    Rule((SE,), Event.VERSION, S, note="the publication: a flip at the next step boundary on every rank, answered "
+                                       "once flipped (effect published)"),
     Rule((S, P), Event.VERSION, None, When.DIRTY, Conflict, DIRTY_WHY,
          note="a label cannot clean dirty weights: only a session's publication does"),
     Rule((S, P), Event.VERSION, None, note="a new label of the clean weights (effect labelled)"),
     Rule((S, P), Event.ABORT, None, refuse=Conflict, why="no weight update session to abort"),
     Rule((U, E), Event.ABORT, P, note="the session closes unpublished: old version, dirty if anything reached the "
                                       "served weights (then queued requests are answered 503)"),
+    Rule((SU, SE), Event.ABORT, S, note="the session closes unpublished; the served copy was never touched"),
 )
 """The engine's state machine (module docstring): for an event, the first rule whose states hold
 the engine's state and whose condition holds is the one that applies."""

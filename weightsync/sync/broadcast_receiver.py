@@ -27,6 +27,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -110,17 +111,18 @@ DEFAULT_TIMEOUT_S = 600.0
 class BroadcastReceiver:
     """The update groups of one engine rank, by name."""
 
-    def __init__(self, store: ParamStore, spec: ModelSpec, rank: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 bind_host: str | None = None) -> None:
+    def __init__(self, store: ParamStore | Callable[[], ParamStore], spec: ModelSpec, rank: int, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, bind_host: str | None = None) -> None:
         """Args:
-        store: where received pieces are written (the engine's write target).
+        store: where received pieces are written: a store, or a function returning the one to
+            write now (the engine's: its update session's copy).
         spec: the model.
         rank: this engine rank.
         timeout_s: the deadline of a join and of a receive, and the groups' collective timeout.
         bind_host: the local address the groups' gloo pairs listen on (default: the address on
             the route to the master).
         """
-        self.store = store
+        self._store = store
         self.spec = spec
         self.rank = rank
         self.timeout_s = timeout_s
@@ -218,7 +220,8 @@ class BroadcastReceiver:
         if group_name not in self._groups:
             raise ValueError(f"no weight update group {group_name!r} (call /init_weights_update_group first)")
         pg, backend = self._groups[group_name]
-        device = torch.device("cpu") if backend == "gloo" else self.store.device
+        store = self._store() if callable(self._store) else self._store
+        device = torch.device("cpu") if backend == "gloo" else store.device
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         nbytes = 0
@@ -232,7 +235,7 @@ class BroadcastReceiver:
                        f"{group_name!r}")
             buf = buf.view(want) if fp8 else buf
             nbytes += buf.numel() * buf.element_size()
-            write_global(self.store, self.spec, name, lambda box, t=buf: t[tuple(slice(a, b) for a, b in box)])
+            write_global(store, self.spec, name, lambda box, t=buf: t[tuple(slice(a, b) for a, b in box)])
         seconds = time.perf_counter() - t0
         return {"num_tensors": len(names), "nbytes": nbytes, "seconds": seconds}
 

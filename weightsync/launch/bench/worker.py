@@ -196,11 +196,11 @@ class BenchRank:
             self.out["param_bytes"] = fill_params(self.data, layout, self.params())
         else:
             layout = list(self.inputs.dest_layout(self.local))
-            self.receiver, served = Receiver.open(
+            self.receiver, copies = Receiver.open(
                 self.cfg.transport, layout, device=self.device, rank=self.local % self.cfg.rollout.tp
             )
-            # the benchmark measures writes into the registered memory (a staged transport's inbox)
-            self.store = self.receiver.write_target(served)
+            # the benchmark measures writes into the registered memory (copy 0: a staged transport's inbox)
+            self.store = copies.stores[0]
             self.expected = expected_store(self.data, self.store, self.spec)
             if self.store.derived_names():
                 reference_derived(self.expected, self.spec)
