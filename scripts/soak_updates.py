@@ -31,16 +31,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 @contextmanager
-def engine(log: Path) -> Iterator[tuple[str, int]]:
-    """An engine as ``run`` starts one (:class:`~weightsync.launch.procs.EngineProc`) until the
-    block ends; yields its URL and pid once healthy."""
+def engine(log: Path, transport: str = "shm") -> Iterator[tuple[str, int]]:
+    """An engine as ``run`` starts one (:class:`~weightsync.launch.procs.EngineProc`), receiving
+    through ``transport``, until the block ends; yields its URL and pid once healthy."""
     from weightsync.launch.procs import EngineProc, serve_argv
     from weightsync.proc import free_port
     from weightsync.transport import TransportConfig
 
     port = free_port()
     argv = serve_argv(model="Qwen3-4B", scale="tiny", tp=2, ep=1, dp=1, device="cpu", port=port, checkpoint=None,
-                      transport=TransportConfig(kind="shm"), extra=["--die-with-parent"])
+                      transport=TransportConfig(kind=transport), extra=["--die-with-parent"])
     proc = EngineProc(0, argv, f"http://127.0.0.1:{port}", log, dict(os.environ))
     try:
         proc.client.wait_healthy(timeout_s=180, proc_alive=proc.alive)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 step(params, v)
                 stats = updater.update(v)
                 verified += bool(stats.verified)
-                times.append(stats.update_s + stats.phases["verify"])
+                times.append(stats.update_s)  # the whole update, its verification included
                 samples.append({"update": v, "mode": stats.mode, **snapshot(pid)})
                 if v % 20 == 0 or v == args.updates:
                     s = samples[-1]

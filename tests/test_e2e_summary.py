@@ -8,8 +8,10 @@ Contracts:
 * Byte counts and rates are printed in the unit that fits their size (KB at tiny scale, GB at
   full scale), never as a fraction of a GB.
 * A step's line names its update path in words (one-sided writes, the weight-update group,
-  colocated ``update_weights_from_tensor``), and a skipped gate reads "skipped", never "pass".
-* The plot says under each bar which mode it is and, with both modes, tells them apart in its legend.
+  colocated ``update_weights_from_tensor``) and how long the engines stood still for it and how it
+  reached them, and a skipped gate reads "skipped", never "pass".
+* The plot shows what the engines waited for and the whole update, says under each bar which mode
+  it is and how it reached the engines, and, with both modes, tells them apart in its legend.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ pytestmark = pytest.mark.timeout(600)
 def _step(step: int, mode: str, update_s: float, nbytes: int, path: str | None = None,
           validation: dict[str, str] | None = None) -> dict[str, Any]:
     return {"step": step, "mode": mode, "path": path or ("p2p" if mode == "p2p" else "group"), "update_s": update_s,
-            "phases": {"wire": update_s / 2}, "bytes": nbytes,
+            "phases": {"wire": update_s / 2}, "bytes": nbytes, "engine_idle_s": 8e-5, "pause_free": True,
+            "flip": "swap", "idle_phases": {"flip": 8e-5},
             "validation": validation or {"checksums": "pass", "logprob_parity": "pass"}}
 
 
@@ -60,8 +63,10 @@ def test_both_modes_summary_per_mode(e2e_ckpt: Path, tmp_path: Path):
     assert p2p["bytes_per_update"] < bc["bytes_per_update"], "p2p moves each rank's shard, broadcast the model"
     assert s["p2p_speedup"] == pytest.approx(bc["mean_update_s"] / p2p["mean_update_s"])
     assert f"p2p vs broadcast: {s['p2p_speedup']:.2f}x faster" in run.output
-    assert "step 1: broadcast (weight-update group) update" in run.output
-    assert "step 2: p2p (one-sided writes) update" in run.output
+    assert "step 1: broadcast (weight-update group) engines idle " in run.output
+    assert "step 2: p2p (one-sided writes) engines idle " in run.output
+    assert s["pause_free_updates"] == len(steps), "CPU engines hold a shadow: every update is pause-free"
+    assert s["mean_engine_idle_s"] == pytest.approx(sum(x["engine_idle_s"] for x in steps[1:]) / (len(steps) - 1))
     assert " GB " not in run.output.split("summary:")[1], "tiny sizes are printed in KB, not as fractions of a GB"
 
 
@@ -111,7 +116,8 @@ def test_rate_unknown():
 def test_step_line_names_the_path_in_words(path: str, words: str):
     mode = "p2p" if path == "p2p" else "broadcast"
     line = step_line(_step(3, mode, 0.0123, 336_128, path=path))
-    assert line.startswith(f"step 3: {words} update 12.3 ms, 336 KB, validation pass"), line
+    assert line.startswith(f"step 3: {words} engines idle 0.08 ms (pause-free swap), update 12.3 ms, 336 KB, "
+                           f"validation pass"), line
 
 
 def test_skipped_gate_reads_skipped_not_pass():
@@ -125,13 +131,17 @@ def test_plot_labels_each_bar_with_its_mode():
     import matplotlib.pyplot as plt
 
     steps = [_step(0, "p2p", 0.04, 10), _step(1, "broadcast", 0.1, 20), _step(2, "p2p", 0.04, 10)]
+    steps[1].update(pause_free=False, flip=None, idle_phases={"wire": 0.05})
     fig = phase_figure(steps, "title")
     try:
-        ax = fig.axes[0]
-        assert [t.get_text() for t in ax.get_xticklabels()] == ["0\np2p", "1\nbroadcast", "2\np2p"]
-        legend = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert {"mode p2p", "mode broadcast"} <= set(legend)
-        hatches = {b.get_hatch() or "" for b in ax.patches[:3]}
-        assert len(hatches) == 2, "p2p and broadcast bars must look different"
+        idle, whole = fig.axes[:2]
+        assert [t.get_text() for t in whole.get_xticklabels()] == ["0\np2p\npause-free swap", "1\nbroadcast\npaused",
+                                                                   "2\np2p\npause-free swap"]
+        for ax in (idle, whole):
+            legend = [t.get_text() for t in ax.get_legend().get_texts()]
+            assert {"mode p2p", "mode broadcast"} <= set(legend)
+            hatches = {b.get_hatch() or "" for b in ax.patches[:3]}
+            assert len(hatches) == 2, "p2p and broadcast bars must look different"
+        assert {"flip", "wire"} <= {t.get_text() for t in idle.get_legend().get_texts()}, "every phase in the window"
     finally:
         plt.close(fig)

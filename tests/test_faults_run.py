@@ -5,7 +5,8 @@ killed mid-update (its own death is what the run reports, at once), and the laun
 (every process it started ends, no shm segment is left).
 
 The first two attach one engine (``--engine-urls``) that lives through the module: each failed
-run leaves it paused at the old version, and the next run's first update recovers it. Faults are
+run leaves it serving the old version (its updates are pause-free: what failed only ever reached
+the shadow copy), and the next run's first update goes on from there. Faults are
 ``tests/fault_hooks.py``'s, reached through ``WEIGHTSYNC_FAULT_HOOK`` (tests only).
 """
 
@@ -88,7 +89,7 @@ def _spread(fps: list[list[float]]) -> float:
 @pytest.mark.timeout(400)
 def test_trainer_rank_killed_mid_update(engine: str, e2e_ckpt: Path, tmp_path: Path):
     """Trainer rank 1 SIGKILLed as update 1 writes: the run ends within seconds naming that rank's
-    death (not a timeout of rank 0 waiting for it); the engine is left paused at version 0."""
+    death (not a timeout of rank 0 waiting for it); the engine is left serving version 0."""
     t0 = time.monotonic()
     run = run_cli(["run", "Qwen3-4B", "--train", "tp=2,cp=1,world=2", "--rollout", "tp=1", "--mode", "p2p",
                    "--num-rollout", "2", "--engine-urls", engine],
@@ -100,7 +101,7 @@ def test_trainer_rank_killed_mid_update(engine: str, e2e_ckpt: Path, tmp_path: P
     assert "step 1:" not in run.output, run.describe()
     assert took < 120, f"{took:.0f} s"
     s = _state(engine)
-    assert (s["state"], s["weight_version"], s["session_id"]) == ("paused", "0", None), s
+    assert (s["state"], s["weight_version"], s["session_id"]) == ("serving", "0", None), s
 
 
 @pytest.mark.timeout(600)
@@ -108,7 +109,7 @@ def test_writes_dropped_at_step_k_are_never_served(engine: str, e2e_ckpt: Path, 
     """The must-show: writes silently dropped at step 2.
 
     Without retries the run stops at step 2's verification, naming the tensors; no answer ever
-    carries version 2; the engine stays paused at version 1 and serves nothing. With
+    carries version 2; the engine goes on serving version 1, untouched. With
     ``--update-retries 1`` the next run (which recovers the engine by its first update) retries
     step 2 from scratch, verifies it, and only then publishes: every answer labelled 2 was
     computed with step 2's verified weights -- its logprobs are those of every other answer
@@ -128,8 +129,7 @@ def test_writes_dropped_at_step_k_are_never_served(engine: str, e2e_ckpt: Path, 
     assert "1" in versions, versions
     assert "2" not in versions, "an answer was served from step 2's unverified weights"
     s = _state(engine)
-    assert (s["state"], s["weight_version"]) == ("paused", "1"), s
-    assert not s["weights_dirty"], s  # shm: the dropped update reached the inbox only, never the served copy
+    assert (s["state"], s["weight_version"], s["weights_dirty"]) == ("serving", "1", False), s
 
     # (SKIP_VALIDATION: the step-0 equality check compares with the engine's weights at the start,
     # which are the failed run's version 1 here, not the checkpoint's; every other check runs)

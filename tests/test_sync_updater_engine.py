@@ -1,6 +1,8 @@
 """Contract: one :class:`WeightUpdater` over a live engine -- updates under TE-spec names are
-bit-exact in both modes; a failed update leaves the engine paused and names the engine; an
-engine restarted between updates is picked up by ``refresh()``, not by a new updater.
+bit-exact in both modes and pause-free (the engine holds a shadow copy: its inbox); a failed
+update names the engine and leaves it serving its old version; with ``pause_free="off"`` the
+update pauses the engine and says so, and a failure leaves it paused; an engine restarted between
+updates is picked up by ``refresh()``, not by a new updater.
 
 One trainer rank (a gloo group of one, in this process) and one ``weightsync serve`` engine
 (Qwen3-4B tiny, TP 2, shm, dummy weights) on a fixed port, so that the restarted engine has the
@@ -11,6 +13,7 @@ xxh64 equals that of the trainer's tensors laid out by the engine's loading rule
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,7 @@ from weightsync.models import get_model
 from weightsync.models.parallel import TrainParallel
 from weightsync.proc import free_port
 from weightsync.sync.engine_client import EngineClient
+from weightsync.sync.update_result import PHASES
 
 SPEC = get_model("Qwen3-4B", "tiny")
 TRAIN = TrainParallel(world_size=1)
@@ -64,9 +68,13 @@ def _step(params: dict[str, torch.Tensor], seed: int) -> None:
 
 
 def _state(url: str) -> str:
+    return _engine(url)["state"]
+
+
+def _engine(url: str) -> dict:
     client = EngineClient(url)
     try:
-        return client.server_info()["internal_states"][0]["state"]
+        return client.engine_state()
     finally:
         client.close()
 
@@ -87,27 +95,33 @@ def test_update_failure_restart_refresh(group: object, tmp_path: Path):
                 assert stats.mode == ("p2p" if version == 1 else "broadcast"), stats
                 assert stats.bytes > 0
                 assert stats.gb_per_s > 0
-                assert set(stats.phases) == {"pause", "pack", "wire", "barrier", "post_load", "resume", "verify"}
+                assert set(stats.phases) == set(PHASES)
+                assert (stats.pause_free, stats.flip, stats.pause_reason) == (True, "copy", None)  # shm: copies
+                assert stats.phases["pause"] == stats.phases["resume"] == 0.0
+                assert set(stats.idle_phases) == {"flip"}
+                assert 0 < stats.engine_idle_s < stats.update_s
             assert _state(url) == "serving"
 
             # a write that did not happen: the verification finds every changed tensor and the
-            # update stops with the engine paused, naming it
+            # update stops, naming the engine, which goes on serving the version before it
             _step(params, 3)
             sender = updater.p2p_sender
             real_send = sender.send
             sender.send = lambda **kw: _no_write()
-            with pytest.raises(UpdateError, match=rf"fingerprints differ: engine 0 at {url}, rank 0: .* differ"):
+            with pytest.raises(UpdateError, match=rf"keep serving their old version .*fingerprints differ: engine 0 at "
+                                                  rf"{url}, rank 0: .* differ"):
                 updater.update(3, mode="p2p")
-            assert _state(url) != "serving"  # weights loaded (post-load ran), generation not resumed
+            assert {k: _engine(url)[k] for k in ("state", "weight_version", "weights_dirty")} == {
+                "state": "serving", "weight_version": "2", "weights_dirty": False}
             sender.send = real_send
-            stats = updater.update(3, mode="p2p")  # the next update repairs it
+            stats = updater.update(3, mode="p2p")  # the next update publishes it
             assert stats.verified
             assert _state(url) == "serving"
         except BaseException:
             updater.close()
             raise
-    # the engine is gone: the next update fails at pause, naming the engine
-    with pytest.raises(UpdateError, match=rf"pause_generation: engine 0 at {url}"):
+    # the engine is gone: the next update fails at begin, naming the engine
+    with pytest.raises(UpdateError, match=rf"begin_weight_update: engine 0 at {url}"):
         updater.update(4)
     with engine_on(port, tmp_path / "engine.log") as url:  # restarted: same URL, new parameter memory
         try:
@@ -117,6 +131,26 @@ def test_update_failure_restart_refresh(group: object, tmp_path: Path):
                 assert updater.update(version).verified
         finally:
             updater.close()
+        # the paused transaction, asked for: its stats say so; a failure leaves the engine paused
+        paused = WeightUpdater(params, spec=SPEC, train=TRAIN, engine_urls=[url], group=group,
+                               config=replace(config, pause_free="off"))
+        try:
+            _step(params, 7)
+            stats = paused.update(7, mode="p2p")
+            assert stats.verified
+            assert (stats.pause_free, stats.flip) == (False, "copy")  # shm: the inbox is copied in
+            assert stats.pause_reason == "UpdaterConfig(pause_free='off')"
+            assert stats.idle_phases == stats.phases
+            assert stats.engine_idle_s == pytest.approx(stats.update_s)
+            assert stats.phases["pause"] > 0
+            assert stats.phases["resume"] > 0
+            paused.p2p_sender.send = lambda **kw: _no_write()
+            _step(params, 8)
+            with pytest.raises(UpdateError, match="stay paused"):
+                paused.update(8, mode="p2p")
+            assert _engine(url)["state"] == "paused"
+        finally:
+            paused.close()
 
 
 def _no_write() -> object:

@@ -59,8 +59,10 @@ def main() -> int:
                 for t in params.values():
                     t.add_(torch.randn(t.shape, generator=gen).to(t.dtype), alpha=1e-2)
             stats = updater.update(step)
-            print(f"step {step}: {stats.mode}, {stats.bytes / 1e6:.2f} MB in {stats.update_s * 1e3:.1f} ms, "
-                  f"{stats.gb_per_s:.2f} GB/s, verified={stats.verified}")
+            how = f"pause-free, {stats.flip}" if stats.pause_free else f"paused: {stats.pause_reason}"
+            print(f"step {step}: {stats.mode} ({how}) engines idle {stats.engine_idle_s * 1e3:.2f} ms, "
+                  f"{stats.bytes / 1e6:.2f} MB in {stats.update_s * 1e3:.1f} ms, {stats.gb_per_s:.2f} GB/s, "
+                  f"verified={stats.verified}")
     dist.destroy_process_group()
     return 0
 

@@ -1,10 +1,13 @@
 """What a run prints and leaves behind: the per-step table, the summary, ``results.json`` and a plot.
 
-A step record is a plain dict (JSON-safe) with at least ``step``, ``mode``, ``update_s``,
-``phases`` (phase name -> seconds), ``bytes`` (bytes put on links), ``bytes_per_receiver``
-(rollout rank -> bytes), ``buckets`` (p2p: staging buckets of all trainer ranks; broadcast: buckets
-broadcast), ``validation`` (name -> "pass" / "fail: ..." / "skipped") and
-``logprob_max_abs_diff``.
+A step record is a plain dict (JSON-safe) with at least ``step``, ``mode``, ``update_s`` (the
+whole update), ``phases`` (phase name -> seconds, :data:`~weightsync.sync.update_result.PHASES`),
+``bytes`` (bytes put on links), ``bytes_per_receiver`` (rollout rank -> bytes), ``buckets`` (p2p:
+staging buckets of all trainer ranks; broadcast: buckets broadcast), ``validation`` (name ->
+"pass" / "fail: ..." / "skipped") and ``logprob_max_abs_diff``; an update's record also has
+``engine_idle_s`` (how long the engines stood still for it: the headline), ``idle_phases`` (the
+phases inside that window), ``pause_free``, ``flip``, ``pause_reason``, ``write_s``, ``verify_s``
+and ``control_s``.
 """
 
 from __future__ import annotations
@@ -16,11 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.plan.records import Mode
+from weightsync.sync.update_result import PHASES
 
 log = logging.getLogger(__name__)
-
-PHASES = ("pause", "pack", "wire", "barrier", "post_load", "resume")
-"""The phases an update is split into, in order (``pack``/``wire`` are the slowest sender's)."""
 
 
 PATHS = {
@@ -50,6 +51,24 @@ def _rate(nbytes: float, seconds: float) -> float | None:
     return nbytes / seconds if seconds > 0 else None
 
 
+def how(step: dict[str, Any]) -> str:
+    """How an update reached the engines: ``pause-free swap`` / ``pause-free copy`` / ``paused``."""
+    return f"pause-free {step.get('flip') or ''}".strip() if step.get("pause_free") else "paused"
+
+
+def _idle(step: dict[str, Any]) -> str:
+    """``engines idle X ms (how), `` for an update's record; nothing where it has no idle time."""
+    if "engine_idle_s" not in step:
+        return ""
+    return f"engines idle {fmt_ms(step['engine_idle_s'])} ({how(step)}), "
+
+
+def fmt_ms(seconds: float) -> str:
+    """Milliseconds with the precision that shows a flip (two decimals below 10 ms)."""
+    ms = seconds * 1e3
+    return f"{ms:.2f} ms" if ms < 10 else f"{ms:.1f} ms"
+
+
 def verdict(validation: dict[str, str]) -> str:
     """One word for a step's validation: ``pass``, ``FAIL``, or ``part skipped`` (every gate that
     ran passed, one was skipped, e.g. check-weight-update-equal under ``SKIP_VALIDATION=1``)."""
@@ -59,8 +78,9 @@ def verdict(validation: dict[str, str]) -> str:
 
 
 def step_line(record: dict[str, Any]) -> str:
-    """The console line of one step: mode and path, update time, bytes, validation (and what a
-    skipped gate means), the trainer's stats and any retried attempts."""
+    """The console line of one step: mode and path, how long the engines stood still for the
+    update and how it reached them, the whole update's time, bytes, validation (and what a skipped
+    gate means), the trainer's stats and any retried attempts."""
     val = record.get("validation", {})
     word = verdict(val)
     if word == "part skipped":
@@ -80,25 +100,30 @@ def step_line(record: dict[str, Any]) -> str:
     n = record.get("attempts", 1)
     retried = f" (attempt {n}; earlier: {'; '.join(record['failed_attempts'])[:300]})" if n > 1 else ""
     path = PATHS.get(record.get("path", ""), record.get("path", record["mode"]))
-    return (f"step {record['step']}: {record['mode']} ({path}) update {record['update_s'] * 1e3:.1f} ms{retried}, "
-            f"{fmt_bytes(record['bytes'])}, validation {shown}{trained}")
+    return (f"step {record['step']}: {record['mode']} ({path}) {_idle(record)}update {record['update_s'] * 1e3:.1f} "
+            f"ms{retried}, {fmt_bytes(record['bytes'])}, validation {shown}{trained}")
+
+
+COLUMNS = (("engine_idle_s", "idle ms"), ("update_s", "update ms"), ("write_s", "write ms"),
+           ("verify_s", "verify ms"), ("control_s", "control ms"))
+"""The times of the step table, the engines' idle time first (milliseconds)."""
 
 
 def step_table(steps: Sequence[dict[str, Any]]) -> str:
-    """A readable table: one line per step (bytes and rates in the unit that fits their size)."""
+    """A readable table: one line per step, what the engines waited for first (milliseconds; bytes
+    and the write's rate in the unit that fits their size). Every phase is in ``results.json``."""
     head = (
-        f"{'step':>4} {'mode':<9} {'update s':>9} "
-        + " ".join(f"{p:>9}" for p in PHASES)
+        f"{'step':>4} {'mode':<9} {'engines':<17} "
+        + " ".join(f"{title:>10}" for _, title in COLUMNS)
         + f" {'moved':>9} {'rate':>11} {'validation':<12} {'logprob |d|':>11}"
     )
     lines = [head, "-" * len(head)]
     for s in steps:
-        ph = s.get("phases", {})
         lp = s.get("logprob_max_abs_diff")
         lines.append(
-            f"{s['step']:>4} {s['mode']:<9} {s['update_s']:>9.4f} "
-            + " ".join(f"{ph.get(p, 0.0):>9.4f}" for p in PHASES)
-            + f" {fmt_bytes(s['bytes']):>9} {fmt_rate(_rate(s['bytes'], s['update_s'])):>11} "
+            f"{s['step']:>4} {s['mode']:<9} {how(s):<17} "
+            + " ".join(f"{s.get(k, 0.0) * 1e3:>10.2f}" for k, _ in COLUMNS)
+            + f" {fmt_bytes(s['bytes']):>9} {fmt_rate(_rate(s['bytes'], s.get('write_s', 0.0))):>11} "
             + f"{verdict(s.get('validation', {})):<12} "
             + (f"{lp:>11.2e}" if lp is not None else f"{'-':>11}")
         )
@@ -125,8 +150,9 @@ def train_table(steps: Sequence[dict[str, Any]]) -> str:
 
 def summary(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run's figures, per mode: ``modes`` maps each mode that ran to its :func:`mode_figures`;
-    with both modes, ``p2p_speedup`` is broadcast's mean update time over p2p's. Validation over
-    every step (``validation_passed``, and each failure named)."""
+    with both modes, ``p2p_speedup`` is broadcast's mean update time over p2p's. Over every update
+    after the first: the engines' idle time (``mean_engine_idle_s``, ``max_engine_idle_s``) and how
+    many were pause-free. Validation over every step (``validation_passed``, and each failure named)."""
     failed = [
         f"step {s['step']}: {k}: {v}"
         for s in steps
@@ -136,8 +162,12 @@ def summary(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     modes: dict[str, list[dict[str, Any]]] = {}
     for s in steps:
         modes.setdefault(str(s["mode"]), []).append(s)
+    idle = [float(s.get("engine_idle_s", 0.0)) for s in steps[1:] or steps]
     out: dict[str, Any] = {
         "steps": len(steps),
+        "mean_engine_idle_s": sum(idle) / len(idle) if idle else None,
+        "max_engine_idle_s": max(idle, default=None),
+        "pause_free_updates": sum(bool(s.get("pause_free")) for s in steps),
         "modes": {m: mode_figures(ss) for m, ss in modes.items()},
         "validation_passed": not failed,
         "validation_failures": failed,
@@ -171,7 +201,10 @@ def mode_figures(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def summary_text(s: dict[str, Any]) -> str:
     """The console summary of :func:`summary`: one line per mode, and with both modes how they compare."""
-    lines = [f"summary: {s['steps']} updates, validation {'passed' if s['validation_passed'] else 'FAILED'}; "
+    idle = s.get("mean_engine_idle_s")
+    engines = (f"engines idle {fmt_ms(idle)} per update after the first (max {fmt_ms(s['max_engine_idle_s'])}; "
+               f"{s['pause_free_updates']} of {s['steps']} pause-free), " if idle is not None else "")
+    lines = [f"summary: {s['steps']} updates, {engines}validation {'passed' if s['validation_passed'] else 'FAILED'}; "
              "per mode, after its first update:"]
     for mode, f in s["modes"].items():
         lines.append(f"  {mode:<9} mean {f['mean_update_s']:.4f} s, median {f['median_update_s']:.4f} s "
@@ -199,8 +232,10 @@ MODE_HATCH = {Mode.P2P: "", Mode.BROADCAST: "//"}
 
 
 def phase_figure(steps: Sequence[dict[str, Any]], title: str) -> Any:
-    """A matplotlib figure of update time by phase per step: stacked bars coloured by phase, each
-    step's mode under its bar and, with several modes, a hatch per mode in the legend.
+    """A matplotlib figure of each step's update in two panels of stacked bars coloured by phase:
+    above, what the engines waited for (every phase inside their idle window: paused, all of them;
+    pause-free, the flip); below, the whole update. Under each bar its step, mode and how it reached
+    the engines; with several modes, a hatch per mode in the legend.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -211,27 +246,35 @@ def phase_figure(steps: Sequence[dict[str, Any]], title: str) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (idle_ax, whole_ax) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     xs = [s["step"] for s in steps]
     hatches = [MODE_HATCH.get(str(s["mode"]), "..") for s in steps]
-    bottom = [0.0] * len(steps)
-    for p in PHASES:
-        vals = [s.get("phases", {}).get(p, 0.0) * 1e3 for s in steps]
-        bars = ax.bar(xs, vals, bottom=bottom, label=p)
-        for bar, hatch in zip(bars, hatches, strict=True):
-            bar.set_hatch(hatch)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.set_xticks(xs, [f"{s['step']}\n{s['mode']}" for s in steps])
-    ax.set_xlabel("step and mode")
-    ax.set_ylabel("update time (ms)")
-    ax.set_title(title)
-    handles, labels = ax.get_legend_handles_labels()
+    names = list(dict.fromkeys([*PHASES, "flip"]))
+    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(names)}
     modes = list(dict.fromkeys(str(s["mode"]) for s in steps))
-    if len(modes) > 1:
-        for m in modes:
-            handles.append(Patch(facecolor="white", edgecolor="black", hatch=MODE_HATCH.get(m, "..")))
-            labels.append(f"mode {m}")
-    ax.legend(handles, labels, fontsize=8)
+    for ax, key in ((idle_ax, "idle_phases"), (whole_ax, "phases")):
+        bottom = [0.0] * len(steps)
+        for p in names:
+            vals = [s.get(key, {}).get(p, 0.0) * 1e3 for s in steps]
+            if not any(vals):
+                continue
+            bars = ax.bar(xs, vals, bottom=bottom, label=p, color=colors[p])
+            for bar, hatch in zip(bars, hatches, strict=True):
+                bar.set_hatch(hatch)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set_ylim(top=max(bottom, default=0.0) * 1.15 or 1.0)
+        handles, labels = ax.get_legend_handles_labels()
+        if len(modes) > 1:
+            for m in modes:
+                handles.append(Patch(facecolor="white", edgecolor="black", hatch=MODE_HATCH.get(m, "..")))
+                labels.append(f"mode {m}")
+        ax.legend(handles, labels, fontsize=7, ncol=2)
+    idle_ax.set_title(f"{title}: what the engines waited for (every phase inside the idle window)", fontsize=9)
+    idle_ax.set_ylabel("engines idle (ms)")
+    whole_ax.set_title("the whole update, by phase", fontsize=9)
+    whole_ax.set_ylabel("whole update (ms)")
+    whole_ax.set_xticks(xs, [f"{s['step']}\n{s['mode']}\n{how(s)}" for s in steps], fontsize=7)
+    whole_ax.set_xlabel("step, mode, and how the update reached the engines")
     fig.tight_layout()
     return fig
 

@@ -9,10 +9,11 @@ One :class:`RunSession` per ``run``. Its top level reads as the loop it is::
 
 Every update is the library's: each trainer rank holds a
 :class:`~weightsync.sync.updater.WeightUpdater`, and :meth:`RunSession.update` asks all of them
-for one update (rank 0 drives the engines). It is timed from the return of ``pause_generation``
-to the return of ``continue_generation`` and split into phases: pause, pack, wire, barrier,
-post_load, resume (pack and wire are the slowest trainer rank's); the updater's own fingerprint
-verification is timed on its own.
+for one update (rank 0 drives the engines): pause-free where the engines hold a shadow copy,
+paused elsewhere. Each step records what the engines waited for (``engine_idle_s``: paused, from
+``pause_generation`` to the return of ``continue_generation``; pause-free, the flip) beside the
+whole update (``update_s``) and its phases: pause, begin, pack, wire, barrier, post_load, verify,
+publish, resume (pack and wire are the slowest trainer rank's).
 
 Trainer: ``synthetic`` (the CPU default; learns nothing) or ``megatron`` (the CUDA default:
 megatron-core GRPO on the engines' rollouts, groups of ``group_size`` samples per prompt).
@@ -330,26 +331,29 @@ class RunSession:
         stats = self.procs.command(Update(version=step, mode=mode))[0]
         self.version = step
         self._verified = bool(stats.verified)
-        phases = dict(stats.phases)
-        verify_s = phases.pop("verify")
         return {
-            "step": step, "mode": mode, "path": stats.path, "update_s": stats.update_s, "phases": phases,
+            "step": step, "mode": mode, "path": stats.path, "pause_free": stats.pause_free, "flip": stats.flip,
+            "pause_reason": stats.pause_reason, "engine_idle_s": stats.engine_idle_s,
+            "idle_phases": dict(stats.idle_phases), "update_s": stats.update_s, "phases": dict(stats.phases),
+            "write_s": stats.write_s, "verify_s": stats.verify_s, "control_s": stats.control_s,
             "post_load_engine_s": stats.post_load_engine_s, "bytes": stats.bytes,
             "bytes_per_receiver": {str(k): v for k, v in sorted(stats.bytes_per_receiver.items())},
-            "buckets": stats.buckets, "update_verified": stats.verified, "verify_s": verify_s,
+            "buckets": stats.buckets, "update_verified": stats.verified,
             "attempts": stats.attempts, "failed_attempts": list(stats.failed_attempts),
         }
 
     def initial_update(self) -> dict[str, Any]:
         """Step 0: the first update, with the trainer's initial weights.
 
-        Unless ``SKIP_VALIDATION=1`` this is sglang's ``--check-weight-update-equal``: the engines'
-        weights loaded from the checkpoint are snapshotted, reset to random values, updated, and
-        compared bit for bit with the snapshot.
+        Unless ``SKIP_VALIDATION=1`` this is sglang's ``--check-weight-update-equal``: the engines
+        are paused, their weights loaded from the checkpoint are snapshotted, reset to random
+        values, updated (the update resumes them), and compared bit for bit with the snapshot.
         """
         validation: dict[str, str] = {}
         skip = self.cfg.env.skip_validation
         if not skip:
+            # paused first: an attached engine may be serving (reset_tensors refuses a generating one)
+            self.procs.on_engines(lambda c: c.pause_generation())
             self.procs.on_engines(lambda c: c.weights_checker("snapshot"))
             self.procs.on_engines(lambda c: c.weights_checker("reset_tensors"))
         record = self.update(0)

@@ -21,6 +21,11 @@ in docs/engine.md, "States")::
     eng.update_weight_version(v)       # the publication
     eng.continue_generation()
 
+**Pause-free** (the built-in engine with a shadow copy, :meth:`EngineClient.shadow`): no pause, no
+continue; ``begin_weight_update(pause_free=True)`` answers the copy the session writes
+(``target_copy``), and ``update_weight_version(v)`` after ``end_weight_update`` flips it in while
+the engine keeps generating (the answer says how, and for how long generation stood still).
+
 On a failure: :meth:`EngineClient.abort_weight_update`, or leave it; a later session recovers
 the engine. :meth:`EngineClient.engine_state` reads the state, ``weights_dirty``, the published
 ``weight_version`` and the open session.
@@ -119,6 +124,13 @@ class EngineClient:
         states = self.server_info().get("internal_states") or [{}]
         return dict(states[0])
 
+    def shadow(self) -> dict[str, Any] | None:
+        """The built-in engine's shadow copies (``/server_info``'s ``weightsync.shadow``:
+        ``pause_free``, per rank ``copies`` / ``published`` / ``swap``); None from an engine that
+        publishes none (a real sglang server, or an older engine): it takes paused updates only."""
+        facts = self.server_info().get("weightsync")
+        return facts.get("shadow") if isinstance(facts, dict) else None
+
     def parallelism_config(self, rank: int) -> dict[str, Any]:
         return self._call("GET", "/parallelism_config", params={"rank": rank})
 
@@ -147,10 +159,17 @@ class EngineClient:
         return self._call("GET", "/flush_cache")
 
     # -- weight updates -------------------------------------------------------------------------
-    def begin_weight_update(self, selector: str = "all") -> Any:
+    def begin_weight_update(self, selector: str = "all", *, pause_free: bool = False, flip: str | None = None) -> Any:
         """Open an update session on a paused engine (409 while serving or with a session open);
-        its id (the built-in engine's ``session_id``) goes with this client's session calls."""
-        out = self._call("POST", "/begin_weight_update", json={"selector": selector})
+        its id (the built-in engine's ``session_id``) goes with this client's session calls.
+        ``pause_free`` (the built-in engine's extension; sent only when set): a session on the
+        shadow of a serving engine, published by a ``flip`` (``swap`` or ``copy``)."""
+        body: dict[str, Any] = {"selector": selector}
+        if pause_free:
+            body["pause_free"] = True
+        if flip is not None:
+            body["flip"] = flip
+        out = self._call("POST", "/begin_weight_update", json=body)
         self.session_id = out.get("session_id") if isinstance(out, dict) else None
         return out
 
@@ -167,8 +186,9 @@ class EngineClient:
 
     def update_weight_version(self, version: str) -> Any:
         """Inside a session: the version ``end_weight_update`` publishes; after it: the
-        publication (clears dirty); on clean weights: a new label. The answer's ``effect`` says
-        which (``pending``, ``published``, ``labelled``)."""
+        publication (clears dirty; a flip where the session wrote a shadow); on clean weights: a
+        new label. The answer's ``effect`` says which (``pending``, ``published``, ``labelled``);
+        a publication's also ``flip``, ``flip_at`` and ``engine_idle_s``."""
         out = self._call("POST", "/update_weight_version", json={"new_version": version, "abort_all_requests": False},
                          session=True)
         if isinstance(out, dict) and out.get("effect") == "published":

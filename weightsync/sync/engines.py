@@ -135,7 +135,9 @@ class Engines:
             kind: the transport the writer uses; None: whatever the engines publish (all the same).
 
         Returns:
-            ``{rank: {"session_id", "weights", "descriptor"}}`` (descriptor None: sglang's table only).
+            ``{rank: {"session_id", "weights", "descriptor", "copies"}}`` (descriptor None: sglang's
+            table only; ``copies``: every published copy's table, or None when the engine
+            publishes one copy or sglang's table only).
 
         Raises:
             ValueError: ``/parallelism_config`` differs from the layout's coordinates, the engine
@@ -168,23 +170,42 @@ class Engines:
                     raise ValueError(f"{self.where(e)}, rank {r} receives through {have!r}, this update sends "
                                      f"through {kind!r}: start it with --transport {kind}")
                 g = e * tp + r
-                out[g] = {"session_id": session, "weights": weights, "descriptor": descriptor}
+                copies = info.get("weight_copies")
+                out[g] = {"session_id": session, "weights": weights, "descriptor": descriptor,
+                          "copies": copies if isinstance(copies, list) and len(copies) > 1 else None}
                 try:  # the parameters it publishes are the ones the plan writes (names, sizes)
                     dest_rank_from_info(g, out[g], dest_layout(g))
                 except ValueError as exc:
                     raise ValueError(f"{self.where(e)}, rank {r}: {exc}") from None
         return out
 
-    def begin_weight_update(self) -> list[Any]:
-        """``begin_weight_update`` on every engine (each answer in engine order); an engine whose
-        earlier session is still open (its holder gone: a killed run, an abort that did not
-        arrive) has that session aborted first -- this caller drives the engine now, and the new
-        session recovers it.
+    def pause_free(self, infos: dict[int, dict[str, Any]] | None = None, tp: int = 1) -> str | None:
+        """Why the engines cannot all take pause-free updates (each engine named), or None.
+
+        Args:
+            infos: what :meth:`transfer_infos` found, when p2p writes the engines (a shadow that
+                senders address needs its published table); None: no p2p.
+            tp: ranks per engine (``infos`` is by global rollout rank).
+        """
+        why = []
+        for e, shadow in enumerate(self.each(lambda c: c.shadow(), what="/server_info")):
+            if not (shadow or {}).get("pause_free"):
+                why.append(f"{self.where(e)} holds no shadow copy")
+            elif infos is not None and any(rank.get("published", 1) > 1 for rank in shadow.get("ranks", [])) and any(
+                    infos[e * tp + r].get("copies") is None for r in range(tp)):
+                why.append(f"{self.where(e)} publishes no table of its shadow copy (--transfer-info-format sglang)")
+        return "; ".join(why) or None
+
+    def begin_weight_update(self, *, pause_free: bool = False, flip: str | None = None) -> list[Any]:
+        """``begin_weight_update`` on every engine (each answer in engine order; ``pause_free``
+        and ``flip``: :meth:`EngineClient.begin_weight_update`); an engine whose earlier session
+        is still open (its holder gone: a killed run, an abort that did not arrive) has that
+        session aborted first -- this caller drives the engine now, and the new session recovers it.
 
         Raises:
             EngineError: naming every engine that refused or could not be reached.
         """
-        return self.each(_begin, what="begin_weight_update")
+        return self.each(lambda c: _begin(c, pause_free=pause_free, flip=flip), what="begin_weight_update")
 
     def abort_sessions(self, wait_s: float) -> None:
         """``abort_weight_update`` on every engine, waiting at most ``wait_s`` (an engine that is
@@ -204,14 +225,14 @@ class Engines:
             c.close()
 
 
-def _begin(client: EngineClient) -> Any:
+def _begin(client: EngineClient, **kwargs: Any) -> Any:
     """``begin_weight_update``, aborting a stale session first (:meth:`Engines.begin_weight_update`)."""
     try:
-        return client.begin_weight_update()
+        return client.begin_weight_update(**kwargs)
     except EngineError as exc:
         if exc.status != 409 or "in progress" not in str(exc):
             raise
     log.warning("%s: an earlier update's session is still open; aborting it to begin this one", client.base_url)
     client.session_id = None  # whichever session is open
     client.abort_weight_update()
-    return client.begin_weight_update()
+    return client.begin_weight_update(**kwargs)

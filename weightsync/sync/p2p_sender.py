@@ -18,6 +18,12 @@ slots, ``send(fingerprint=...)`` also hashes what it writes, on the device, whil
 (:mod:`weightsync.sync.share_fingerprint`): the direct runs once they are issued, each staging
 bucket once it is packed.
 
+An engine that holds a shadow copy publishes the addresses of both its copies; a pause-free
+update writes the copy the engine's session names (``begin_weight_update``'s ``target_copy``),
+which alternates when the engine publishes by swapping. The sender compiles its ops once per
+copy (``shadow_dests``) and ``send(targets=...)`` picks, per rollout rank, the copy to write; the
+fingerprint hashes destination offsets within a parameter, the same in either copy.
+
 Typical usage::
 
     sender = P2PSender(ops, params, transport, peers, bucket_bytes=1 << 30)
@@ -30,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,6 +170,7 @@ class P2PSender:
         source_regions: Sequence[tuple[str, torch.Tensor]] | None = None,
         fp8_blocks: Mapping[str, tuple[int, int]] | None = None,
         fingerprint_slots: Slots | None = None,
+        shadow_dests: Mapping[int, DestRank] | None = None,
     ) -> None:
         """Register memory, connect to every destination and compile the ops.
 
@@ -178,6 +185,8 @@ class P2PSender:
             fp8_blocks: global weight name -> fp8 block, for ops that quantize.
             fingerprint_slots: (rollout rank, parameter) -> slot, for :meth:`send` to hash what it
                 writes (:mod:`weightsync.sync.share_fingerprint`); None: never hashes.
+            shadow_dests: rollout rank -> its second copy's table (copy 1; the same descriptor),
+                for every rank in ``dests``; None: the engines publish one copy.
 
         Raises:
             ValueError: an op names a parameter that does not exist on either side, or a box
@@ -187,8 +196,11 @@ class P2PSender:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.transport = transport
         self.params = params
+        self.copies = [dests] + ([shadow_dests] if shadow_dests is not None else [])
+        """Per copy, what every rollout rank published for it (copy 0: sglang's table)."""
         self.dests = dests
-        self._check_ops(ops)
+        for copy in self.copies:
+            self._check_ops(ops, copy)
         direct = [op for op in ops if op.transform is None]
         self.bucket_bytes = bucket_bytes
         tables = {r: d.params for r, d in dests.items()}
@@ -200,12 +212,13 @@ class P2PSender:
         self.packer.compile(lambda i: self._staging[i % 2])
         self._register_sources(direct, source_regions)
         self._peers: dict[int, Peer] = {r: transport.connect(d.descriptor) for r, d in dests.items()}
-        self._direct = self._rotate(self._compile_direct(direct), ops)
-        self._bucket_runs = [self._compile_bucket(b, half=i % 2) for i, b in enumerate(self._buckets)]
+        self._direct = [self._rotate(self._compile_direct(direct, copy), ops) for copy in self.copies]
+        self._bucket_runs = [[self._compile_bucket(b, copy, half=i % 2) for i, b in enumerate(self._buckets)]
+                             for copy in self.copies]
         self.fingerprint = None if fingerprint_slots is None else ShareFingerprint(
             ops, params, tables, self.packer, fingerprint_slots, lambda i: self._staging[i % 2])
         """The share's partial fingerprints, hashed by :meth:`send` when asked (None without slots)."""
-        self.bytes_direct = sum(b.nbytes for b in self._direct.values())
+        self.bytes_direct = sum(b.nbytes for b in self._direct[0].values())
         self.bytes_staged = sum(s.nbytes for b in self._buckets for s in b)
 
     @property
@@ -225,14 +238,14 @@ class P2PSender:
             return t.device
         return torch.device("cpu")
 
-    def _check_ops(self, ops: Sequence[CopyOp]) -> None:
+    def _check_ops(self, ops: Sequence[CopyOp], dests: Mapping[int, DestRank]) -> None:
         for op in ops:
             src = self.params.get(op.src_param)
             if src is None:
                 raise ValueError(f"plan reads {op.src_param!r}, which this trainer rank does not hold")
             if not src.is_contiguous():
                 raise ValueError(f"source parameter {op.src_param!r} must be contiguous")
-            dest = self.dests.get(op.dst_rank)
+            dest = dests.get(op.dst_rank)
             if dest is None:
                 raise ValueError(f"plan writes rollout rank {op.dst_rank}, which published nothing")
             dp = dest.params.get(op.dst_param)
@@ -255,11 +268,11 @@ class P2PSender:
             if s.numel():
                 self.transport.register_tensor(f"staging{i}", s)
 
-    def _compile_direct(self, direct: Sequence[CopyOp]) -> dict[int, WriteBatch]:
+    def _compile_direct(self, direct: Sequence[CopyOp], dests: Mapping[int, DestRank]) -> dict[int, WriteBatch]:
         per_dest: dict[int, list[np.ndarray]] = defaultdict(list)
         for op in direct:
             src = self.params[op.src_param]
-            dp = self.dests[op.dst_rank].params[op.dst_param]
+            dp = dests[op.dst_rank].params[op.dst_param]
             isz = src.element_size()
             if src.dtype != dp.dtype:
                 raise ValueError(f"{op.src_param} ({src.dtype}) -> {op.dst_param} ({dp.dtype}) needs a transform")
@@ -278,22 +291,25 @@ class P2PSender:
         k = ops[0].src_rank % len(order)
         return {r: batches[r] for r in order[k:] + order[:k]}
 
-    def _compile_bucket(self, bucket: Sequence[Staged], half: int) -> dict[int, WriteBatch]:
+    def _compile_bucket(self, bucket: Sequence[Staged], dests: Mapping[int, DestRank],
+                        half: int) -> dict[int, WriteBatch]:
         base = self._staging[half].data_ptr()
         per_dest: dict[int, list[np.ndarray]] = defaultdict(list)
         for s in bucket:
-            dp = self.dests[s.op.dst_rank].params[s.op.dst_param]
+            dp = dests[s.op.dst_rank].params[s.op.dst_param]
             d_runs = box_runs(dp.shape, s.op.dst_box, dp.itemsize)
             per_dest[s.op.dst_rank].append(pair_runs([(s.offset, s.nbytes)], d_runs, base, dp.addr))
         return {r: self.transport.prepare(self._peers[r], np.concatenate(rs)) for r, rs in per_dest.items()}
 
     # -- replay (every step) ------------------------------------------------------------------
 
-    def send(self, *, deadline_s: float = 300.0, fingerprint: tuple[torch.Tensor, int] | None = None) -> SendStats:
+    def send(self, *, deadline_s: float = 300.0, fingerprint: tuple[torch.Tensor, int] | None = None,
+             targets: Mapping[int, int] | None = None) -> SendStats:
         """Write every op of this rank once; returns when all bytes have landed.
 
         Args:
             deadline_s: how long the writes may take.
+            targets: rollout rank -> the copy to write there (default: copy 0 everywhere).
             fingerprint: ``(slot vector, seed)``: also add the partial fingerprint of every byte
                 written into the slot vector (int64 on this rank's device), hashed from the
                 parameters and the packed staging while the writes are in flight. Needs
@@ -302,13 +318,16 @@ class P2PSender:
         Raises:
             TimeoutError: a write did not complete within ``deadline_s`` (engines must then be
                 treated as dirty: the caller keeps them paused).
-            ValueError: a fingerprint asked of a sender built without slots.
+            ValueError: a fingerprint asked of a sender built without slots, or a target copy the
+                engine did not publish.
         """
         if fingerprint is not None and self.fingerprint is None:
             raise ValueError("this sender was built without fingerprint slots")
         t0 = time.perf_counter()
         deadline = deadline_after(deadline_s)
-        pending: list[WriteHandle] = [self.transport.write(self._peers[r], b) for r, b in self._direct.items()]
+        pick = self._picker(targets or {})
+        direct = {r: pick(r, self._direct) for r in self._direct[0]}
+        pending: list[WriteHandle] = [self.transport.write(self._peers[r], b) for r, b in direct.items()]
         if fingerprint is not None:
             self.fingerprint.hash_direct(*fingerprint)  # type: ignore[union-attr]
         in_flight: list[list[WriteHandle]] = [[], []]
@@ -322,7 +341,8 @@ class P2PSender:
             if self._staging[half].is_cuda:
                 torch.cuda.current_stream().synchronize()
             pack_s += time.perf_counter() - tp
-            in_flight[half] = [self.transport.write(self._peers[r], b) for r, b in self._bucket_runs[i].items()]
+            in_flight[half] = [self.transport.write(self._peers[r], pick(r, [c[i] for c in self._bucket_runs]))
+                               for r in self._bucket_runs[0][i]]
             if fingerprint is not None:  # on the current stream: before the next pack into this half
                 self.fingerprint.hash_bucket(i, *fingerprint)  # type: ignore[union-attr]
         for h in pending + in_flight[0] + in_flight[1]:
@@ -331,9 +351,9 @@ class P2PSender:
             torch.cuda.current_stream().synchronize()  # the hashes read weights the caller may change next
         total = time.perf_counter() - t0
         by_dest: dict[int, int] = defaultdict(int)
-        for r, b in self._direct.items():
+        for r, b in self._direct[0].items():
             by_dest[r] += b.nbytes
-        for runs in self._bucket_runs:
+        for runs in self._bucket_runs[0]:
             for r, b in runs.items():
                 by_dest[r] += b.nbytes
         return SendStats(
@@ -344,6 +364,14 @@ class P2PSender:
             bytes_staged=self.bytes_staged,
             bytes_by_dest=dict(by_dest),
         )
+
+    def _picker(self, targets: Mapping[int, int]) -> Callable[[int, Sequence[Mapping[int, WriteBatch]]], WriteBatch]:
+        """``pick(rank, per_copy_batches)``: the batch of the copy ``targets`` names for ``rank``."""
+        bad = {r: c for r, c in targets.items() if not 0 <= c < len(self.copies)}
+        if bad:
+            raise ValueError(f"rollout ranks {sorted(bad)} asked for copies {sorted(set(bad.values()))}; this sender "
+                             f"compiled {len(self.copies)} (the engines published that many)")
+        return lambda r, per_copy: per_copy[targets.get(r, 0)][r]
 
     def close(self) -> None:
         """Release registrations and connections (idempotent)."""

@@ -16,8 +16,13 @@ from weightsync.plan.records import Mode
 
 
 class UpdateError(RuntimeError):
-    """An update failed; the message names the failing trainer rank or engine. The engines stay
-    paused at their old version and serve nothing of it: the next update recovers them."""
+    """An update failed; the message names the failing trainer rank or engine. The engines serve
+    nothing of it: a pause-free update leaves them serving their old version, a paused one
+    leaves them paused at it (the next update recovers them)."""
+
+
+PHASES = ("pause", "begin", "pack", "wire", "barrier", "post_load", "verify", "publish", "resume")
+"""The phases of an update as the trainer's rank 0 times them, in order (they add up to the update)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,12 +34,26 @@ class UpdateStats:
     """``p2p`` or ``broadcast``."""
     path: str
     """``p2p``, ``group`` (broadcast over a weight-update group) or ``tensor`` (colocated)."""
+    pause_free: bool
+    """The engines generated through the update; only the flip that published it stopped them."""
+    flip: str | None
+    """How the session's copy became the served one (``swap``, ``copy``; ``swap/copy`` when the
+    engines differ); None where the session wrote the served copy in place (paused only)."""
+    engine_idle_s: float
+    """How long the engines stood still for this update (the headline). Paused: from sending
+    ``pause_generation`` to the return of ``continue_generation`` (every phase, verification
+    included). Pause-free: the longest flip, as the engines measured it."""
     update_s: float
-    """From the return of ``pause_generation`` to the return of ``continue_generation``, the
-    verify phase left out (it is reported on its own)."""
+    """The whole update as the trainer waited for it: the sum of :attr:`phases`."""
     phases: dict[str, float]
-    """``pause``, ``pack``, ``wire``, ``barrier`` (the rest of the write phase, begin included),
-    ``post_load`` (``end_weight_update``), ``resume`` (version + continue); ``verify``."""
+    """:data:`PHASES`: ``pause``, ``begin``, ``pack``, ``wire``, ``barrier`` (the rest of the write
+    phase), ``post_load`` (``end_weight_update``), ``verify``, ``publish``
+    (``update_weight_version``; pause-free: the flip with it), ``resume`` (``continue_generation``)."""
+    idle_phases: dict[str, float]
+    """What the engines' idle window holds: paused, every phase; pause-free, the ``flip``."""
+    pause_reason: str | None
+    """Why this update paused the engines (``UpdaterConfig.pause_free``, or an engine without a
+    shadow copy); None for a pause-free update."""
     bytes: int
     """Bytes put on links (broadcast: what every rollout rank receives, summed)."""
     bytes_per_receiver: dict[int, int]
@@ -53,7 +72,7 @@ class UpdateStats:
     @classmethod
     def from_ranks(cls, *, version: str, mode: Mode, path: str, results: list[dict[str, Any]], ends: list[Any],
                    times: dict[str, float], verify_s: float, verified: bool | None, num_receivers: int,
-                   broadcast_buckets: int | None) -> UpdateStats:
+                   broadcast_buckets: int | None, published: list[Any], pause_reason: str | None) -> UpdateStats:
         """The stats of one attempt.
 
         Args:
@@ -63,16 +82,19 @@ class UpdateStats:
             results: every trainer rank's write stats (``pack_s``, ``wire_s``, ``bytes``,
                 ``bytes_by_dest``, ``buckets``).
             ends: every engine's ``end_weight_update`` answer (its ``post_load_seconds``).
-            times: rank 0's marks: ``t0`` (pause sent), ``t1`` (paused), ``t2`` (written),
-                ``t3`` (post-load done), and ``resume`` (version + continue, seconds).
+            times: rank 0's marks: ``t0`` (first call sent), ``paused`` (pause returned; ``t0``
+                when pause-free), ``begun``, ``written``, ``ended``, and the seconds of
+                ``publish`` and ``resume``.
             verify_s: the verification's seconds (0 when not verified).
             verified: the verification's outcome (None: not verified).
             num_receivers: rollout ranks (broadcast: each receives every byte sent).
             broadcast_buckets: broadcast: the plan's buckets (p2p counts the ranks' own).
+            published: every engine's ``update_weight_version`` answer (pause-free: its flip).
+            pause_reason: why the engines were paused (None: pause-free).
         """
         pack = max(r["pack_s"] for r in results)
         wire = max(r["wire_s"] for r in results)
-        write = times["t2"] - times["t1"]
+        write = times["written"] - times["begun"]
         by_dest: dict[int, int] = defaultdict(int)
         if mode is Mode.P2P:
             for r in results:
@@ -86,17 +108,34 @@ class UpdateStats:
             nbytes = sent * num_receivers
             buckets = broadcast_buckets or 0
         post = [e.get("post_load_seconds", 0.0) if isinstance(e, dict) else 0.0 for e in ends]
-        phases = {"pause": times["t1"] - times["t0"], "pack": pack, "wire": wire,
-                  "barrier": max(0.0, write - pack - wire), "post_load": times["t3"] - times["t2"],
-                  "resume": times["resume"], "verify": verify_s}
-        update_s = sum(v for k, v in phases.items() if k not in ("pause", "verify"))
-        return cls(version=version, mode=mode, path=path, update_s=update_s, phases=phases, bytes=nbytes,
-                   bytes_per_receiver=dict(by_dest), buckets=buckets, post_load_engine_s=max(post, default=0.0),
-                   verified=verified, per_rank=results)
+        phases = {"pause": times["paused"] - times["t0"], "begin": times["begun"] - times["paused"], "pack": pack,
+                  "wire": wire, "barrier": max(0.0, write - pack - wire),
+                  "post_load": times["ended"] - times["written"], "verify": verify_s, "publish": times["publish"],
+                  "resume": times["resume"]}
+        pause_free = pause_reason is None
+        flips = sorted({str(a.get("flip")) for a in published if isinstance(a, dict) and a.get("flip")})
+        if pause_free:
+            idle = max((float(a.get("engine_idle_s") or 0.0) for a in published if isinstance(a, dict)), default=0.0)
+            idle_phases = {"flip": idle}
+        else:
+            idle, idle_phases = sum(phases.values()), dict(phases)
+        return cls(version=version, mode=mode, path=path, pause_free=pause_free, flip="/".join(flips) or None,
+                   engine_idle_s=idle, update_s=sum(phases.values()), phases=phases, idle_phases=idle_phases,
+                   pause_reason=pause_reason, bytes=nbytes, bytes_per_receiver=dict(by_dest), buckets=buckets,
+                   post_load_engine_s=max(post, default=0.0), verified=verified, per_rank=results)
 
     @property
     def write_s(self) -> float:
         return self.phases["pack"] + self.phases["wire"] + self.phases["barrier"]
+
+    @property
+    def control_s(self) -> float:
+        """The control calls that move no weight: pause, begin, publish (with its flip), resume."""
+        return sum(self.phases[k] for k in ("pause", "begin", "publish", "resume"))
+
+    @property
+    def verify_s(self) -> float:
+        return self.phases["verify"]
 
     @property
     def gb_per_s(self) -> float:
@@ -108,4 +147,6 @@ class UpdateStats:
         out["mode"] = self.mode.value
         out["bytes_per_receiver"] = {str(k): v for k, v in sorted(self.bytes_per_receiver.items())}
         out["gb_per_s"] = self.gb_per_s
+        out["write_s"] = self.write_s
+        out["control_s"] = self.control_s
         return out

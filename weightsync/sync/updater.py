@@ -17,24 +17,16 @@ Construction computes this rank's share of the static plan once, registers memor
 checks everything before any byte moves; it is collective over the group. Rank 0 of the group
 drives the engines' control endpoints over HTTP; every rank writes.
 
-One update (:meth:`WeightUpdater.update`, collective over the group)::
-
-    pause_generation -> begin_weight_update            (rank 0)
-    write                                              (every rank: p2p replays its plan share;
-                                                        broadcast: the stage sources broadcast
-                                                        over a group, or, colocated, hand full
-                                                        tensors over by IPC)
-    wait                                               (every rank reports; any error stops here)
-    end_weight_update                                  (rank 0; the engines' post-load)
-    verify                                             (every ``verify_every`` updates: fingerprints,
-                                                        hashed by each rank while it writes)
-    update_weight_version -> continue_generation       (rank 0)
-
-The update is a transaction: the engines stay paused until the written weights verified, and
-only ``update_weight_version`` publishes them (the engine's side of each call, its states and
-refusals: docs/engine.md, "States"). On any failure rank 0 aborts every engine's session
-(each stays paused at its old version, dirty where anything reached its served weights, so
-nothing of the attempt is served) and :class:`UpdateError` names the failing rank or engine; with
+One update (:meth:`WeightUpdater.update`, collective over the group) is a transaction, step by
+step in :mod:`~weightsync.sync.update_flow`: pause-free where every engine holds a shadow copy of
+its parameters (begin, write into the shadow, end, verify, publish by a flip; the engines keep
+generating and stop only for the flip), else paused (pause, begin, write, end, verify, publish,
+continue). Only verified weights are published (every ``verify_every`` updates: fingerprints,
+hashed by each trainer rank while it writes, against each engine's of the copy its session
+wrote). On any
+failure rank 0 aborts every engine's session (nothing of the attempt is ever served: a pause-free
+engine keeps serving its old version, a paused one stays paused, dirty where the session wrote
+what it serves) and :class:`UpdateError` names the failing rank or engine; with
 ``UpdaterConfig.update_retries`` the attempt is first repeated from scratch (engines re-queried,
 senders rebuilt). The next update after a failure rebuilds the senders too, and recovers an
 engine left paused, dirty or with a dead holder's session open. :meth:`WeightUpdater.refresh`
@@ -56,7 +48,6 @@ Typical usage (every trainer rank)::
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -81,6 +72,7 @@ from weightsync.sync.p2p_pack import fp8_blocks
 from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, P2PSender, dest_rank_from_info
 from weightsync.sync.rank_group import agree, from_rank0
 from weightsync.sync.tensor_sender import TensorSender
+from weightsync.sync.update_flow import ABORT_WAIT_S, run_attempt
 from weightsync.sync.update_result import UpdateError, UpdateStats
 from weightsync.sync.updater_config import UpdaterConfig
 from weightsync.sync.verify import Verifier
@@ -99,6 +91,8 @@ class _Discovered:
     rollout: RolloutParallel
     infos: dict[int, dict[str, Any]] | None
     kind: str | None
+    pause_reason: str | None = None
+    """Why updates pause the engines (None: pause-free, :mod:`~weightsync.sync.update_flow`)."""
 
 
 class WeightUpdater:
@@ -200,16 +194,31 @@ class WeightUpdater:
             assert self.engines is not None
             r = rollout or self.engines.rollout_parallel()
             if Mode.P2P not in self.config.modes:
-                return _Discovered(rollout=r, infos=None, kind=None)
+                return _Discovered(rollout=r, infos=None, kind=None, pause_reason=self._pause_reason(None, r.tp))
             inputs = self._inputs(r)
             want = self.config.transport
             kind = want.kind.value if isinstance(want, TransportConfig) else None if want == "auto" else str(want)
             infos = self.engines.transfer_infos(r, inputs.dest_layout, kind)
             first = next(iter(infos.values()))
             found = str(first["descriptor"]["kind"]) if first.get("descriptor") else SGLANG_TRANSPORT
-            return _Discovered(rollout=r, infos=infos, kind=found)
+            return _Discovered(rollout=r, infos=infos, kind=found, pause_reason=self._pause_reason(infos, r.tp))
 
         return from_rank0(self.pg, find)
+
+    def _pause_reason(self, infos: dict[int, dict[str, Any]] | None, tp: int) -> str | None:
+        """Why updates must pause the engines (config, or an engine without a usable shadow copy:
+        :meth:`Engines.pause_free <weightsync.sync.engines.Engines.pause_free>`), or None.
+
+        Raises:
+            ValueError: ``pause_free="on"`` and an engine cannot take it (named).
+        """
+        if self.config.pause_free == "off":
+            return "UpdaterConfig(pause_free='off')"
+        assert self.engines is not None
+        why = self.engines.pause_free(infos, tp)
+        if why is not None and self.config.pause_free == "on":
+            raise ValueError(f"UpdaterConfig(pause_free='on'), but {why} (serve --shadow auto, with memory for it)")
+        return why
 
     def _inputs(self, rollout: RolloutParallel) -> PlanInputs:
         return build_inputs(self.spec, self.train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout,
@@ -256,11 +265,18 @@ class WeightUpdater:
         self.num_ops = len(ops)
         needed = sorted({op.dst_rank for op in ops})
         dests = {r: dest_rank_from_info(r, found.infos[r], self.inputs.dest_layout(r)) for r in needed}
+        # engines with a published shadow copy: its table too (a swap alternates the copies); an
+        # engine without one is only ever asked for copy 0
+        shadows = {r: dest_rank_from_info(r, {**found.infos[r], "weights": found.infos[r]["copies"][1]},
+                                          self.inputs.dest_layout(r)) if found.infos[r].get("copies") else dests[r]
+                   for r in needed}
+        two = any(found.infos[r].get("copies") for r in needed)
         self.transport_config = self._transport(found.kind)
         slots = self._verifier.slots if self._verifier is not None else None
         self.p2p_sender = P2PSender(ops, self.params, self.transport_config.make(), dests,
                                     bucket_bytes=self.config.bucket_bytes, source_regions=self._source_regions,
-                                    fp8_blocks=fp8_blocks(self.inputs), fingerprint_slots=slots)
+                                    fp8_blocks=fp8_blocks(self.inputs), fingerprint_slots=slots,
+                                    shadow_dests=shadows if two else None)
 
     def _gatherer(self) -> BroadcastSender:
         if self._bcast is None:
@@ -306,11 +322,12 @@ class WeightUpdater:
         """One whole update into every engine, as a transaction (collective over the group; see
         the module docstring).
 
-        The engines stay paused from ``pause_generation`` until the written weights verified;
-        only then ``update_weight_version`` publishes them and ``continue_generation`` resumes.
-        A failed attempt aborts every engine's session (paused, dirty at the old version) and,
-        with :attr:`UpdaterConfig.update_retries`, is retried from scratch (engines re-queried,
-        senders rebuilt, every byte rewritten and verified).
+        Pause-free where every engine holds a shadow copy (the engines generate throughout and
+        stop only for the flip that publishes the verified shadow), else paused from
+        ``pause_generation`` until the written weights verified, published and continued
+        (:mod:`~weightsync.sync.update_flow`). A failed attempt aborts every engine's session
+        (nothing of it is served) and, with :attr:`UpdaterConfig.update_retries`, is retried from
+        scratch (engines re-queried, senders rebuilt, every byte rewritten and verified).
 
         Args:
             version: the weight version the engines report afterwards.
@@ -321,8 +338,8 @@ class WeightUpdater:
 
         Raises:
             UpdateError: every attempt failed: a rank's write, an engine call or the verification
-                (the last attempt's cause named); the engines stay paused and dirty at the old
-                version.
+                (the last attempt's cause named); the engines serve their old version (pause-free)
+                or stay paused and dirty at it.
         """
         if self.engines is None:
             raise UpdateError("this updater drives no engines (it was built from published tables): use write()")
@@ -335,7 +352,7 @@ class WeightUpdater:
             try:
                 if attempt > 1 or self._stale:
                     self._rebuild()
-                stats = self._attempt(version, m, verify=self._due() or attempt > 1)
+                stats = run_attempt(self, version, m, verify=self._due() or attempt > 1)
             except UpdateError as exc:
                 failures.append(str(exc))
                 if attempt == attempts:
@@ -351,6 +368,9 @@ class WeightUpdater:
                 if self.rank == 0 and self.engines is not None:
                     self.engines.abort_sessions(min(ABORT_WAIT_S, self.config.http_timeout_s))
                 raise
+            log.info("[rank%d] update to version %s: %s, engines idle %.1f ms", self.rank, version,
+                     f"pause-free ({stats.flip})" if stats.pause_free else f"paused ({stats.pause_reason})",
+                     stats.engine_idle_s * 1e3)
             return replace(stats, attempts=attempt, failed_attempts=failures)
         raise AssertionError("unreachable")
 
@@ -368,107 +388,6 @@ class WeightUpdater:
             raise UpdateError(f"setting the update up again: {exc}") from None
         self._stale = False
 
-    def _attempt(self, version: str, m: Mode, *, verify: bool) -> UpdateStats:
-        """One attempt of :meth:`update`.
-
-        Raises:
-            UpdateError: any part failed (named); the engines' sessions are aborted.
-        """
-        eng = self.engines
-        assert eng is not None
-        marks: dict[str, float] = {}
-
-        def pause_begin() -> int:
-            marks["t0"] = time.perf_counter()
-            eng.each(lambda c: c.pause_generation(), what="pause_generation")
-            marks["t1"] = time.perf_counter()
-            eng.begin_weight_update()
-            return secrets.randbits(63)  # this attempt's fingerprint seed, unknown to any other writer
-
-        try:
-            seed = from_rank0(self.pg, pause_begin)
-        except (UpdateError, ValueError) as exc:
-            self._held(version, [str(exc)])
-        verifier = self._verifier if verify else None
-        partials = verifier.new_partials() if verifier is not None else None
-        error = None
-        local: dict[str, Any] = {}
-        try:
-            local = self.write(m, fingerprint=(partials, seed) if partials is not None and m is Mode.P2P else None)
-        except Exception as exc:  # every rank's failure is reported on all
-            error = f"trainer rank {self.rank}: {m} write: {type(exc).__name__}: {exc}"
-        everyone: list[Any] = [None] * self.train.world_size
-        dist.all_gather_object(everyone, (error, local), group=self.pg)
-        marks["t2"] = time.perf_counter()
-        errors = [e for e, _ in everyone if e]
-        if errors:
-            self._held(version, errors)
-        results = [r for _, r in everyone]
-
-        def end() -> list[Any]:
-            ends = eng.each(lambda c: c.end_weight_update(), what="end_weight_update")
-            marks["t3"] = time.perf_counter()
-            return ends
-
-        try:
-            ends = from_rank0(self.pg, end)
-        except (UpdateError, ValueError) as exc:
-            self._held(version, [str(exc)])
-        tv = time.perf_counter()
-        if verifier is not None and partials is not None:
-            self._verify(version, m, verifier, partials, seed)
-        verify_s = time.perf_counter() - tv
-
-        def finish() -> dict[str, float]:
-            t = time.perf_counter()
-            eng.each(lambda c: c.update_weight_version(version), what="update_weight_version")
-            eng.each(lambda c: c.continue_generation(), what="continue_generation")
-            return {"resume": time.perf_counter() - t, **marks}
-
-        try:
-            times = from_rank0(self.pg, finish)
-        except (UpdateError, ValueError) as exc:
-            self._held(version, [str(exc)])
-        return self._stats(version, m, results, ends, times, verify_s, True if verifier is not None else None)
-
-    def _verify(self, version: str, m: Mode, verifier: Verifier, partials: torch.Tensor, seed: int) -> None:
-        """The verification step of an attempt (collective): broadcast's hash-only pass, the
-        partials summed, and rank 0's comparison with every engine's fingerprints.
-
-        Raises:
-            UpdateError: a fingerprint differs (every differing tensor named per engine and rank),
-                or the step failed; the engines' sessions are aborted.
-        """
-        if m is Mode.BROADCAST:
-            try:
-                agree(self.pg, lambda: verifier.hash_share(partials, seed), "fingerprint of the plan share")
-            except (UpdateError, ValueError) as exc:
-                self._held(version, [f"verification: {exc}"])
-        expected = verifier.expected(partials, seed, same_for_every_engine=m is Mode.BROADCAST)
-        eng = self.engines
-        assert eng is not None
-        try:
-            bad = from_rank0(self.pg, lambda: verifier.compare(eng, expected or {}, seed))
-        except (UpdateError, ValueError) as exc:
-            self._held(version, [f"verification: {exc}"])
-        if bad:
-            self._held(version, ["fingerprints differ: " + "; ".join(bad)])
-
-    def _held(self, version: str, errors: Sequence[str]) -> None:
-        """The failure step of an attempt: rank 0 aborts every engine's session (each stays paused,
-        dirty at its old version: nothing of this attempt is ever served), and every rank raises
-        the cause.
-
-        Raises:
-            UpdateError: always.
-        """
-        self._stale = True
-        if self.rank == 0 and self.engines is not None:
-            self.engines.abort_sessions(min(ABORT_WAIT_S, self.config.http_timeout_s))
-        log.error("update to version %s failed, engines left paused and dirty: %s", version, "; ".join(errors))
-        raise UpdateError(f"update to version {version} failed; the engines stay paused and dirty at their old version "
-                          f"(nothing of this update is served; the next update recovers them): " + "; ".join(errors))
-
     def _mode(self, mode: str | Mode | None) -> Mode:
         modes = self.config.modes
         m = modes[self._count % len(modes)] if mode is None else Mode.transfer(mode)
@@ -476,21 +395,32 @@ class WeightUpdater:
             raise ValueError(f"mode {m} was not set up (UpdaterConfig(mode='{self.config.mode}'))")
         return m
 
-    def _stats(self, version: str, mode: Mode, results: list[dict[str, Any]], ends: list[Any],
-               times: dict[str, float], verify_s: float, verified: bool | None) -> UpdateStats:
-        buckets = None if mode is Mode.P2P else len(self._buckets)
-        path = "p2p" if mode is Mode.P2P else "tensor" if self.config.colocated else "group"
-        return UpdateStats.from_ranks(version=version, mode=mode, path=path, results=results, ends=ends, times=times,
-                                      verify_s=verify_s, verified=verified,
-                                      num_receivers=self.inputs.rollout.world_size, broadcast_buckets=buckets)
+    def path(self, mode: Mode) -> str:
+        """How ``mode`` moves the bytes: ``p2p``, ``tensor`` (colocated broadcast) or ``group``."""
+        return "p2p" if mode is Mode.P2P else "tensor" if self.config.colocated else "group"
 
-    def write(self, mode: str | Mode = Mode.P2P, *, fingerprint: tuple[torch.Tensor, int] | None = None) -> \
-            dict[str, Any]:
+    def broadcast_buckets(self, mode: Mode) -> int | None:
+        """The broadcast plan's buckets (None for p2p, whose ranks count their own)."""
+        return None if mode is Mode.P2P else len(self._buckets)
+
+    def mark_stale(self) -> None:
+        """An attempt failed: the next update rebuilds the senders first."""
+        self._stale = True
+
+    @property
+    def verifier(self) -> Verifier | None:
+        """The fingerprint verification (None when ``verify_every`` is 0)."""
+        return self._verifier
+
+    def write(self, mode: str | Mode = Mode.P2P, *, targets: Mapping[int, int] | None = None,
+              fingerprint: tuple[torch.Tensor, int] | None = None) -> dict[str, Any]:
         """Only the write phase of an update, on this rank (collective over the group for
         broadcast): no engine control call except broadcast's per-bucket announcement.
 
         Args:
             mode: ``p2p`` or ``broadcast``.
+            targets: p2p: rollout rank -> the copy its engine's session writes (default: copy
+                0; broadcast: the engines write their session's copy themselves).
             fingerprint: p2p only: ``(slot vector, seed)`` to hash what is written into, while it
                 is written (:meth:`P2PSender.send`).
 
@@ -501,7 +431,7 @@ class WeightUpdater:
         if m is Mode.P2P:
             if self.p2p_sender is None:
                 raise ValueError("p2p was not set up (UpdaterConfig(mode='p2p' or 'both'))")
-            s = self.p2p_sender.send(deadline_s=self.config.deadline_s, fingerprint=fingerprint)
+            s = self.p2p_sender.send(deadline_s=self.config.deadline_s, targets=targets, fingerprint=fingerprint)
             return {"pack_s": s.pack_s, "wire_s": s.wire_s, "total_s": s.total_s, "bytes": s.nbytes,
                     "bytes_by_dest": s.bytes_by_dest, "buckets": self.p2p_sender.num_buckets}
         if Mode.BROADCAST not in self.config.modes:
@@ -620,10 +550,6 @@ def _engines(urls: Sequence[str], config: UpdaterConfig) -> Engines:
     from weightsync.sync.engines import Engines
 
     return Engines(list(urls), timeout_s=config.http_timeout_s, token=config.token)
-
-
-ABORT_WAIT_S = 10.0
-"""How long a failed attempt waits for the engines to acknowledge ``abort_weight_update``."""
 
 
 __all__ = ["UpdateError", "WeightUpdater"]

@@ -11,7 +11,11 @@ from dataclasses import dataclass, field
 
 from weightsync.plan.broadcast import DEFAULT_BUCKET_BYTES
 from weightsync.plan.records import Mode
+from weightsync.sync.weight_copies import FLIPS
 from weightsync.transport import TransportConfig
+
+PAUSE_FREE = ("auto", "on", "off")
+""":attr:`UpdaterConfig.pause_free`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +54,15 @@ class UpdaterConfig:
     """Broadcast over a group: the address the engines reach the stage sources' group stores at."""
     group_prefix: str = "weightsync"
     """Broadcast over a group: names of the weight-update groups are ``{prefix}_src{rank}_{n}``."""
+    pause_free: str = "auto"
+    """``auto``: pause-free updates wherever every engine holds a shadow copy (each engine's
+    ``/server_info`` says), the paused transaction elsewhere; ``on``: pause-free or an error at
+    construction; ``off``: always pause generation around the update."""
+    flip: str = "swap"
+    """How a pause-free update is published: ``swap`` (the shadow becomes the served copy; the next
+    update writes the other one; an engine whose served copy no sender can address -- shm --
+    copies instead) or ``copy`` (the shadow is copied into the served copy, whose addresses never
+    change)."""
     token: str | None = field(default=None, repr=False)
     """The engines' access token, sent as ``Authorization: Bearer <token>`` on every engine call
     (an engine started with a token answers 401 / 403 without it); None: no token."""
@@ -62,6 +75,10 @@ class UpdaterConfig:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
         if self.deadline_s <= 0 or self.http_timeout_s <= 0 or self.group_timeout_s <= 0:
             raise ValueError("deadline_s, http_timeout_s and group_timeout_s must be positive")
+        if self.pause_free not in PAUSE_FREE:
+            raise ValueError(f"pause_free must be one of {', '.join(PAUSE_FREE)}, got {self.pause_free!r}")
+        if self.flip not in FLIPS:
+            raise ValueError(f"flip must be one of {', '.join(FLIPS)}, got {self.flip!r}")
         if self.update_retries < 0:
             raise ValueError(f"update_retries must be >= 0 (0: the first failed attempt raises), got "
                              f"{self.update_retries}")

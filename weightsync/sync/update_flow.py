@@ -1,0 +1,198 @@
+"""One attempt of an update, step by step: pause-free where the engines allow it, paused elsewhere.
+
+Rank 0 of the trainer group drives the engines' control endpoints; every rank writes. The
+engine's side of each call, its states and refusals: docs/engine.md, "States".
+
+Pause-free (every engine holds a shadow copy of its parameters, ``UpdaterConfig.pause_free``
+``auto`` or ``on``)::
+
+    begin_weight_update(pause_free)     (rank 0; each engine answers the copy its session writes)
+    write                               (every rank: into that copy; the engines keep generating)
+    end_weight_update                   (rank 0; the engines' post-load, on the shadow)
+    verify                              (every ``verify_every`` updates: the shadow's fingerprints
+                                         against the trainer ranks', hashed as they wrote)
+    update_weight_version               (rank 0: the publication, a flip at a step boundary,
+                                         answered once flipped)
+
+The paused transaction (an engine without a shadow copy, ``pause_free="off"``, and every engine
+that is not this project's: a real sglang server publishes no shadow)::
+
+    pause_generation -> begin_weight_update -> write -> end_weight_update -> verify
+        -> update_weight_version -> continue_generation
+
+Either way the update is a transaction: only a verified session is published. On any failure rank
+0 aborts every engine's session -- a pause-free engine goes on serving its old version untouched,
+a paused one stays paused, dirty where the session wrote what it serves -- and every rank raises
+:class:`~weightsync.sync.update_result.UpdateError` naming the failing rank or engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from weightsync.plan.inputs import PlanInputs
+from weightsync.plan.records import Mode
+from weightsync.sync.rank_group import agree, from_rank0
+from weightsync.sync.update_result import UpdateError, UpdateStats
+from weightsync.sync.updater_config import UpdaterConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WeightUpdater(Protocol):
+    """What an attempt needs of :class:`weightsync.sync.updater.WeightUpdater` (which imports this)."""
+
+    config: UpdaterConfig
+    engines: Any
+    """:class:`weightsync.sync.engines.Engines` (None: no engine to drive)."""
+    discovered: Any
+    """What rank 0 found (``pause_reason``: why updates pause the engines, None: pause-free)."""
+    inputs: PlanInputs
+    pg: Any
+    rank: int
+    train: Any
+    verifier: Any
+    """:class:`weightsync.sync.verify.Verifier`, None when nothing is verified."""
+
+    def write(self, mode: str | Mode = ..., *, targets: Mapping[int, int] | None = ...,
+              fingerprint: tuple[torch.Tensor, int] | None = ...) -> dict[str, Any]: ...
+
+    def path(self, mode: Mode) -> str: ...
+
+    def broadcast_buckets(self, mode: Mode) -> int | None: ...
+
+    def mark_stale(self) -> None: ...
+
+ABORT_WAIT_S = 10.0
+"""How long a failed attempt waits for the engines to acknowledge ``abort_weight_update``."""
+
+
+def run_attempt(u: WeightUpdater, version: str, m: Mode, *, verify: bool) -> UpdateStats:
+    """One attempt of :meth:`WeightUpdater.update` (collective over the group; module docstring).
+
+    Raises:
+        UpdateError: any part failed (named); the engines' sessions are aborted.
+    """
+    eng = u.engines
+    assert eng is not None
+    reason = u.discovered.pause_reason
+    pause_free = reason is None
+    marks: dict[str, float] = {}
+
+    def open_sessions() -> tuple[list[int], int]:
+        marks["t0"] = marks["paused"] = time.perf_counter()
+        if not pause_free:
+            eng.each(lambda c: c.pause_generation(), what="pause_generation")
+            marks["paused"] = time.perf_counter()
+        answers = eng.begin_weight_update(pause_free=pause_free, flip=u.config.flip if pause_free else None)
+        marks["begun"] = time.perf_counter()
+        # this attempt's fingerprint seed, unknown to any other writer
+        return [int(a.get("target_copy", 0)) if isinstance(a, dict) else 0 for a in answers], secrets.randbits(63)
+
+    copies, seed = _on_rank0(u, version, open_sessions)
+    tp = u.inputs.rollout.tp
+    verifier = u.verifier if verify else None
+    partials = verifier.new_partials() if verifier is not None else None
+    fingerprint = (partials, seed) if partials is not None and m is Mode.P2P else None
+    results = _write_all(u, version, m, {g: copies[g // tp] for g in range(len(copies) * tp)}, fingerprint)
+    marks["written"] = time.perf_counter()
+
+    def end() -> list[Any]:
+        ends = eng.each(lambda c: c.end_weight_update(), what="end_weight_update")
+        marks["ended"] = time.perf_counter()
+        return ends
+
+    ends = _on_rank0(u, version, end)
+    tv = time.perf_counter()
+    if verifier is not None and partials is not None:
+        _verify(u, version, m, verifier, partials, seed)
+    verify_s = time.perf_counter() - tv
+
+    def publish() -> tuple[dict[str, float], list[Any]]:
+        t = time.perf_counter()
+        published = eng.each(lambda c: c.update_weight_version(version), what="update_weight_version")
+        tr = time.perf_counter()
+        # paused engines resume: every one of a paused update, and those found paused by a pause-free one
+        paused = [c for c, a in zip(eng.clients, published, strict=True)
+                  if not pause_free or (isinstance(a, dict) and a.get("state") == "paused")]
+        for client in paused:
+            client.continue_generation()
+        return {**marks, "publish": tr - t, "resume": time.perf_counter() - tr if paused else 0.0}, published
+
+    times, published = _on_rank0(u, version, publish)
+    return UpdateStats.from_ranks(version=version, mode=m, path=u.path(m), results=results, ends=ends, times=times,
+                                  verify_s=verify_s, verified=True if verifier is not None else None,
+                                  num_receivers=u.inputs.rollout.world_size,
+                                  broadcast_buckets=u.broadcast_buckets(m), published=published, pause_reason=reason)
+
+
+def _on_rank0(u: WeightUpdater, version: str, fn: Callable[[], T], what: str = "") -> T:
+    """``fn()`` on rank 0, its result on every rank; a failure is the attempt's (:func:`held`)."""
+    try:
+        return from_rank0(u.pg, fn)
+    except (UpdateError, ValueError) as exc:
+        held(u, version, [f"{what}: {exc}" if what else str(exc)])
+
+
+def _verify(u: WeightUpdater, version: str, m: Mode, verifier: Any, partials: torch.Tensor, seed: int) -> None:
+    """The verification step of an attempt (collective): broadcast's hash-only pass, the partials
+    summed, and rank 0's comparison with every engine's fingerprints of its session's copy.
+
+    Raises:
+        UpdateError: a fingerprint differs (every differing tensor named per engine and rank), or
+            the step failed; the engines' sessions are aborted.
+    """
+    if m is Mode.BROADCAST:
+        try:
+            agree(u.pg, lambda: verifier.hash_share(partials, seed), "fingerprint of the plan share")
+        except (UpdateError, ValueError) as exc:
+            held(u, version, [f"verification: {exc}"])
+    expected = verifier.expected(partials, seed, same_for_every_engine=m is Mode.BROADCAST)
+    bad = _on_rank0(u, version, lambda: verifier.compare(u.engines, expected or {}, seed), what="verification")
+    if bad:
+        held(u, version, ["fingerprints differ: " + "; ".join(bad)])
+
+
+def _write_all(u: WeightUpdater, version: str, m: Mode, targets: dict[int, int],
+               fingerprint: tuple[torch.Tensor, int] | None) -> list[dict[str, Any]]:
+    """Every rank's write (into ``targets``: rollout rank -> copy; ``fingerprint``: hashed as it is
+    written); every rank learns every error."""
+    error = None
+    local: dict[str, Any] = {}
+    try:
+        local = u.write(m, targets=targets, fingerprint=fingerprint)
+    except Exception as exc:  # every rank's failure is reported on all
+        error = f"trainer rank {u.rank}: {m} write: {type(exc).__name__}: {exc}"
+    everyone: list[Any] = [None] * u.train.world_size
+    dist.all_gather_object(everyone, (error, local), group=u.pg)
+    errors = [e for e, _ in everyone if e]
+    if errors:
+        held(u, version, errors)
+    return [r for _, r in everyone]
+
+
+def held(u: WeightUpdater, version: str, errors: Sequence[str]) -> NoReturn:
+    """The failure step of an attempt: rank 0 aborts every engine's session (nothing of this
+    attempt is ever served), and every rank raises the cause.
+
+    Raises:
+        UpdateError: always.
+    """
+    u.mark_stale()
+    if u.rank == 0 and u.engines is not None:
+        u.engines.abort_sessions(min(ABORT_WAIT_S, u.config.http_timeout_s))
+    if u.discovered.pause_reason is None:
+        where = "the engines keep serving their old version"
+    else:
+        where = "the engines stay paused and dirty at their old version"
+    log.error("update to version %s failed, %s: %s", version, where, "; ".join(errors))
+    raise UpdateError(f"update to version {version} failed; {where} (nothing of this update is served; the next "
+                      f"update recovers them): " + "; ".join(errors))
