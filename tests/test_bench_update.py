@@ -232,6 +232,10 @@ def test_cpu_run_tiny_both_modes(tmp_path):
     assert s["memcpy"]["bytes"] == s["p2p"]["bytes_total"]
     assert s["ratio_wire_to_memcpy"] > 0
     assert s["speedup_p2p_vs_broadcast"] > 0
+    # what a pause-free update stops the engines for: a flip of a whole shard, by swap and by copy
+    assert s["engine_idle"]["bytes_per_rank"] > 0
+    assert 0 <= s["engine_idle"]["swap_s"] < s["engine_idle"]["copy_s"]
+    assert "engines idle per pause-free update" in proc.stdout
     assert "p2p update" in proc.stdout
     assert "broadcast update" in proc.stdout
     assert "BENCH_JSON" not in proc.stdout, "with --out the record goes to the file only"

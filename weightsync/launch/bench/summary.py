@@ -113,6 +113,19 @@ def _checks(engines: list[dict[str, Any]], key: str) -> dict[str, Any]:
     }
 
 
+def _engine_idle(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """What an update stops the engines for: pause-free, the flip (the slowest engine rank's best
+    swap and copy of a shadow into its parameters); paused, the whole update (the mode rows:
+    write and post-load, no verification in the benchmark)."""
+    flips = [r.get("flips") for r in results if r["role"] == "engine"]
+    skipped = [f["skipped"] for f in flips if f and "skipped" in f]
+    timed = [f for f in flips if f and "skipped" not in f]
+    if skipped or not timed:
+        return {"skipped": "; ".join(skipped) or "no engine rank measured a flip"}
+    return {"swap_s": max(f["swap_s"] for f in timed), "copy_s": max(f["copy_s"] for f in timed),
+            "bytes_per_rank": max(f["bytes"] for f in timed)}
+
+
 def _p2p_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     trainers = [r for r in results if r["role"] == "trainer"]
     engines = [r for r in results if r["role"] == "engine"]
@@ -212,6 +225,7 @@ def summarize(cfg: BenchConfig, results: list[RankResult], notes: list[str]) -> 
         "notes": notes,
         "set_up_s": max(r["set_up_s"] for r in results),
         "local_copy": _local_copy(results[0].get("local_copy")),
+        "engine_idle": _engine_idle(results),
     }
     if "p2p" in cfg.modes:
         out.update(_p2p_summary(results))
@@ -307,6 +321,13 @@ def format_table(s: dict[str, Any]) -> str:
             f"p2p wire / copy between processes: {s['ratio_wire_to_memcpy']:.2f} "
             f"(medians: {s['ratio_wire_to_memcpy_median']:.2f})"
         )
+    idle = s.get("engine_idle") or {}
+    if "swap_s" in idle:
+        tail.append(f"engines idle per pause-free update (the flip, {idle['bytes_per_rank'] / 1e9:.3f} GB per rank): "
+                    f"swap {idle['swap_s'] * 1e3:.3f} ms, copy {idle['copy_s'] * 1e3:.3f} ms; paused: the whole update "
+                    f"above (no verification here)")
+    elif idle:
+        tail.append(f"engines idle per pause-free update: not measured ({idle['skipped']})")
     if "ratio_wire_to_local_copy" in s:
         tail.append(f"p2p wire / copy in one process: {s['ratio_wire_to_local_copy']:.2f}")
     if "speedup_p2p_vs_broadcast" in s:

@@ -9,6 +9,8 @@ rank numbers, which the broadcast sender's gather relies on) and go through the 
                           and the values a complete update must leave in them
     exchange     engines publish (descriptor, parameter addresses); trainers plan their ops
     local_copy   trainer 0 only: a plain copy of the update's bytes inside one process
+    flips        engine ranks: a shadow of their parameters flipped in by swap and by copy, what
+                 a pause-free update stops the engine for (where the shadow fits)
     p2p          trainers build their WeightUpdater (the library's facade, from the published
                  tables: no engine to drive); then warm-up + ``repeats`` pairs of runs:
                  memcpy  the link's own rate: each trainer writes the bytes it sends in p2p as
@@ -74,6 +76,7 @@ from weightsync.sync.p2p_receiver import PARAMS_REGION, Receiver
 from weightsync.sync.params import ParamStore
 from weightsync.sync.updater import WeightUpdater
 from weightsync.sync.updater_config import UpdaterConfig
+from weightsync.sync.weight_copies import WeightCopies, shadow_fits
 from weightsync.transport import PeerDescriptor, deadline_after
 
 log = logging.getLogger(__name__)
@@ -289,6 +292,31 @@ class BenchRank:
         torch.cuda.empty_cache()
         return out
 
+    def flips(self, repeats: int = 5) -> dict[str, Any] | None:
+        """Engine ranks: what a pause-free update would stop this rank for -- the best of
+        ``repeats`` flips of a shadow into the served parameters, by swap and by copy
+        (:class:`~weightsync.sync.weight_copies.WeightCopies`, as the engine flips; the shadow is
+        allocated for it and freed after). None on trainers; ``{"skipped": why}`` where the shadow
+        does not fit (``serve --shadow auto``'s rule)."""
+        if self.is_trainer:
+            return None
+        assert self.store is not None
+        if not shadow_fits(self.store.nbytes, self.device):
+            return {"skipped": f"no room for a second copy of {self.store.nbytes / 1e9:.2f} GB on {self.device}"}
+        copies = WeightCopies([self.store, ParamStore(self.store.layout, self.device)], published=2)
+        out: dict[str, Any] = {"bytes": self.store.nbytes}
+        for kind in ("swap", "copy"):
+            best = float("inf")
+            for _ in range(repeats):
+                copies.begin(pause_free=True, flip=kind)
+                best = min(best, copies.flip()["seconds"])
+            out[f"{kind}_s"] = best
+        copies.served = 0  # the registered copy stays the served one for the steps after this
+        copies.stores[1].close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return out
+
     def memcpy_batches(self, infos: dict[int, dict[str, Any]]) -> list[Any]:
         """The link's reference, prepared on the p2p sender's own transport (same copy engine, same
         opened destination memory): every trainer writes the bytes it sends each rollout rank in p2p
@@ -491,6 +519,7 @@ def run_rank(bench: BenchRank) -> RankResult:
     out = bench.out
     total = sum(sum(x.values()) for x in bench.gather(bench.bytes_by_dest() if bench.is_trainer else {}))
     out["local_copy"] = bench.local_copy(total or int(out.get("param_bytes", 0)))
+    out["flips"] = bench.flips()
     bench.barrier()
     if "p2p" in cfg.modes:
         out["memcpy"], out["p2p"] = bench.p2p(infos)
