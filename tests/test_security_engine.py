@@ -42,6 +42,7 @@ from weightsync.engine.tokenizer import ByteTokenizer
 from weightsync.engine.tp import EngineGroups
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
+from weightsync.models import get_model
 from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.plan.inputs import build_inputs
@@ -242,6 +243,31 @@ def test_every_family_broadcast_announcement_is_accepted(model: str) -> None:
                           trainer_layout=trainer_layout, engine_layout=engine_layout)
     names = [n for n, g in inputs.globals.items() if g.quant_of is None]
     check_update_request(spec, *announcement(inputs, names))
+
+
+def test_checking_announcements_builds_the_model_table_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bucket of every update is checked on every engine rank: the model's table of global
+    tensors is built once for all of them (built once per announced tensor, it cost Qwen3-4B's
+    colocated update 0.49 s of checks for 398 tensors in 8 buckets)."""
+    from weightsync.sync import broadcast_receiver
+
+    spec = get_model("Qwen3-4B", "full")
+    table = broadcast_receiver.global_tensors(spec)
+    names = list(table)
+    built: list[object] = []
+    real = broadcast_receiver.global_tensors
+
+    def counted(s: object) -> dict:
+        built.append(s)
+        return real(s)
+
+    monkeypatch.setattr(broadcast_receiver, "global_tensors", counted)
+    broadcast_receiver._global_table.cache_clear()
+    broadcast_receiver.accepted_dtypes.cache_clear()
+    for k in range(0, len(names), 50):
+        bucket = names[k : k + 50]
+        check_update_request(spec, bucket, [table[n].dtype for n in bucket], [list(table[n].shape) for n in bucket])
+    assert len(built) == 1
 
 
 # -- dirty weights are never served --------------------------------------------------------------

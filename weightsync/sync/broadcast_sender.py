@@ -18,7 +18,7 @@ import datetime
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 Contribution = tuple[int, str, Piece]
 """``(trainer rank, its local tensor name, the piece it contributes)``."""
+Allocator = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+"""``alloc(name, shape, dtype)``: the memory a full tensor is gathered into."""
 
 
 
@@ -127,8 +129,9 @@ class BroadcastSender:
         over the stage)."""
         return self._gather(source, list(names))
 
-    def _gather(self, source: int, names: list[str]) -> dict[str, torch.Tensor]:
-        """Assemble the full tensors ``names`` on ``source`` (others: send pieces; returns {})."""
+    def _gather(self, source: int, names: list[str], alloc: Allocator | None = None) -> dict[str, torch.Tensor]:
+        """Assemble the full tensors ``names`` on ``source`` (others: send pieces; returns {}),
+        each in memory from ``alloc`` (default: a new tensor)."""
         contrib = contributions(self.inputs, source, set(names))
         mine: list[tuple[str, str, Piece]] = []
         incoming: dict[int, list[tuple[str, Piece]]] = defaultdict(list)
@@ -146,7 +149,9 @@ class BroadcastSender:
         full: dict[str, torch.Tensor] = {}
         for name in names:
             g = self.inputs.globals[name]
-            full[name] = torch.empty(g.shape, dtype=getattr(torch, g.dtype), device=self.device)
+            shape, dtype = tuple(g.shape), getattr(torch, g.dtype)
+            full[name] = (alloc(name, shape, dtype) if alloc is not None
+                          else torch.empty(shape, dtype=dtype, device=self.device))
         for name, local, p in mine:
             full[name][box_slices(p.global_box)] = self.params[local][box_slices(p.local_box)].reshape(
                 tuple(b - a for a, b in p.global_box))
@@ -185,16 +190,19 @@ class BroadcastSender:
                 out.append((name, scales[name]))
         return out
 
-    def wire_bucket(self, names: Sequence[str]) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
+    def wire_bucket(self, names: Sequence[str], alloc: Allocator | None = None,
+                    ) -> Iterator[tuple[int, list[tuple[str, torch.Tensor]]]]:
         """The bucket's tensors in the engines' storage format, per stage source, in the order
         :func:`announcement` lists them: yields ``(source, tensors)`` on that source (others help
-        gather and get ``(source, [])``); collective over the trainer ranks."""
+        gather and get ``(source, [])``); collective over the trainer ranks. ``alloc(name, shape,
+        dtype)`` gives the memory each full tensor is gathered into (a tensor whose wire format is
+        the trainer's own goes out in it as it is)."""
         by_source: dict[int, list[str]] = defaultdict(list)
         for n in names:
             by_source[self.owner[n]].append(n)
         for source in sorted(by_source):
             weights = [n for n in by_source[source] if self.inputs.globals[n].quant_of is None]
-            full = self._gather(source, weights)
+            full = self._gather(source, weights, alloc)
             yield source, (self._to_wire(by_source[source], full) if self.rank == source else [])
 
     def send_bucket(self, names: Sequence[str]) -> dict[str, Any]:

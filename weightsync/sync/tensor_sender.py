@@ -4,14 +4,14 @@ When trainer and engine ranks share GPUs, NCCL cannot put two ranks of one group
 the broadcast path uses the route colocated RL frameworks use (sglang's
 ``update_weights_from_tensor``): bucket by bucket, the stage source gathers the bucket's full HF
 tensors in the engines' storage format (:meth:`BroadcastSender.wire_bucket`: the same gather and
-conversion as the broadcast over a group), copies them into one flat buffer (on a GPU kept
-across steps; in host memory a new segment per bucket), and hands the engines a description of
-that buffer -- each tensor a view into it, pickled by torch's ``ForkingPickler`` (a CUDA IPC
-handle for GPU memory, a shared-memory file name for host memory) -- with ``load_format`` None:
-a list of ``(name, tensor)`` pairs, one copy per engine
-TP rank. Every engine rank opens the buffer in place and keeps the pieces it owns (its own
-loading rule). The call returns once the engine has written every tensor, so the buffer is reused
-for the next bucket.
+conversion as the broadcast over a group) straight into one flat buffer (on a GPU kept across
+steps; in host memory a new segment per bucket; a tensor converted on the way -- fp8, a cast -- is
+copied in after its conversion), and hands the engines a description of that buffer -- each tensor
+a view into it, pickled by torch's ``ForkingPickler`` (a CUDA IPC handle for GPU memory, a
+shared-memory file name for host memory) -- with ``load_format`` None: a list of ``(name,
+tensor)`` pairs, one entry per engine TP rank. Every engine rank opens the buffer in place and keeps
+the pieces it owns (its own loading rule). The call returns once the engine has written every
+tensor, so the buffer is reused for the next bucket.
 
 Host memory is shared by file name (torch's ``file_system`` strategy, set only while pickling):
 the default file-descriptor strategy passes descriptors through a socket that only processes of
@@ -29,6 +29,7 @@ import base64
 import contextlib
 import io
 import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.sync.broadcast_sender import BroadcastSender
+from weightsync.sync.broadcast_sender import BroadcastSender, announcement
 
 if TYPE_CHECKING:
     from weightsync.sync.engines import Engines
@@ -82,22 +83,35 @@ class TensorSender:
         self.tp = tp
         self._flat = torch.empty(0, dtype=torch.uint8, device=gatherer.device)
 
-    def _pack(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Copy ``tensors`` into the flat buffer (grown when a bucket needs more); their views."""
-        offsets, size = [], 0
-        for _, t in tensors:
-            offsets.append(size)
-            size = -(-(size + t.numel() * t.element_size()) // ALIGN) * ALIGN
+    def _layout(self, names: Sequence[str]) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+        """Where each tensor of the bucket goes in the flat buffer (grown when the bucket needs
+        more): ``{name: (offset, shape, dtype)}`` in the engines' storage format."""
+        slots: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        size = 0
+        for name, dtype, shape in zip(*announcement(self.gatherer.inputs, names), strict=True):
+            dt = getattr(torch, dtype)
+            slots[name] = (size, tuple(shape), dt)
+            size = -(-(size + math.prod(shape) * dt.itemsize) // ALIGN) * ALIGN
         # Host memory: a new shared segment per bucket. torch unlinks a segment shared by name once
         # the engine has closed it (the engine holds the last registered reference), so a buffer
         # kept across buckets would be gone at the next call. GPU memory: one buffer, kept.
         if size > self._flat.numel() or self._flat.device.type == "cpu":
             self._flat = torch.empty(size, dtype=torch.uint8, device=self.gatherer.device)
+        return slots
+
+    def _slot(self, slots: dict[str, tuple[int, tuple[int, ...], torch.dtype]], name: str) -> torch.Tensor:
+        off, shape, dtype = slots[name]
+        return self._flat[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def _pack(self, tensors: Sequence[tuple[str, torch.Tensor]],
+              slots: dict[str, tuple[int, tuple[int, ...], torch.dtype]]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors as views of the flat buffer: those gathered there already as they are, the
+        converted ones copied in."""
         views = []
-        for (name, t), off in zip(tensors, offsets, strict=True):
-            n = t.numel() * t.element_size()
-            view = self._flat[off:off + n].view(t.dtype).view(t.shape)
-            view.copy_(t)
+        for name, t in tensors:
+            view = self._slot(slots, name)
+            if view.data_ptr() != t.data_ptr():
+                view.copy_(t)
             views.append((name, view))
         if self._flat.is_cuda:
             torch.cuda.current_stream().synchronize()
@@ -116,10 +130,18 @@ class TensorSender:
         t0 = time.perf_counter()
         wire_s = 0.0
         sent = 0
-        for _, tensors in self.gatherer.wire_bucket(names):
+        slots = self._layout(names) if self.gatherer.is_source else {}
+
+        def alloc(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            slot = slots.get(name)
+            if slot is not None and (slot[1], slot[2]) == (shape, dtype):  # goes out as it is gathered
+                return self._slot(slots, name)
+            return torch.empty(shape, dtype=dtype, device=self.gatherer.device)
+
+        for _, tensors in self.gatherer.wire_bucket(names, alloc=alloc):
             if not tensors:
                 continue
-            views = self._pack(tensors)
+            views = self._pack(tensors, slots)
             entry = serialize_named_tensors(views)
             tw = time.perf_counter()
             assert self.engines is not None, "a stage source needs the engines"
