@@ -64,3 +64,14 @@ def test_defaults_by_machine(monkeypatch: pytest.MonkeyPatch):
         _resolve([*one_gpu, "--placement", "split"], 1, monkeypatch)
     cpu = _resolve(["Qwen3-4B"], 0, monkeypatch)
     assert (cpu.placement, cpu.trainer, cpu.device) == ("split", "synthetic", "cpu")
+
+
+def test_pause_free_and_flip_reach_the_run(monkeypatch: pytest.MonkeyPatch):
+    """``--pause-free`` / ``--flip`` land on the run's config (the session hands them to every trainer
+    rank's UpdaterConfig); the defaults are pause-free where possible, flipped by swapping."""
+    default = _resolve(["Qwen3-4B"], 0, monkeypatch)
+    assert (default.pause_free, default.flip) == ("auto", "swap")
+    cfg = _resolve(["Qwen3-4B", "--pause-free", "off", "--flip", "copy"], 0, monkeypatch)
+    assert (cfg.pause_free, cfg.flip) == ("off", "copy")
+    with pytest.raises(SystemExit):
+        _resolve(["Qwen3-4B", "--flip", "move"], 0, monkeypatch)

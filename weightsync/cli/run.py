@@ -26,6 +26,7 @@ from weightsync.launch.resolve import RunRequest, resolve_run
 from weightsync.models.resolve import describe_model, model_spec
 from weightsync.plan.records import Mode
 from weightsync.proc import stop_on_signals
+from weightsync.sync.update_options import FLIPS, PAUSE_FREE
 from weightsync.transport import AUTO, run_choices
 
 
@@ -78,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="try a failed update (a rank's or engine's error, a fingerprint mismatch) again from scratch "
                         "up to N times before stopping; the engines stay paused and dirty at the old version until "
                         "an attempt verifies (default 0: stop at the first failure)")
+    p.add_argument("--pause-free", choices=PAUSE_FREE, default="auto",
+                   help="auto: the engines keep generating while an update lands (the flip is the only pause) "
+                        "wherever every engine holds a shadow copy, else pause them; on: pause-free or refuse; off: "
+                        "pause generation around every update (default: auto)")
+    p.add_argument("--flip", choices=FLIPS, default="swap",
+                   help="how a pause-free update is published: swap (the shadow becomes the served copy) or copy "
+                        "(shadow copied into the served copy, whose addresses never change) (default: swap)")
     p.add_argument("--deadlines", default="",
                    help="KEY=SECONDS,... replacing the default deadline of each wait: "
                         + ", ".join(f"{f.name.removesuffix('_s')} ({f.default:g})" for f in fields(Deadlines)))
@@ -96,6 +104,7 @@ def request_of(args: argparse.Namespace) -> RunRequest:
                       trainer=args.trainer, transport=args.transport, prompts_per_step=args.prompts_per_step,
                       max_new_tokens=args.max_new_tokens, hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic,
                       dtype=args.dtype, group_size=args.group_size, lr=args.lr, update_retries=args.update_retries,
+                      pause_free=args.pause_free, flip=args.flip,
                       deadlines=Deadlines.parse(args.deadlines))
 
 

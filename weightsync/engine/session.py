@@ -45,7 +45,7 @@ from weightsync.engine.scheduler import Scheduler, Unavailable
 from weightsync.engine.states import Conflict, Event, Facts, Rule, State, When, decide
 from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.sync.broadcast_receiver import check_update_request
-from weightsync.sync.weight_copies import FLIPS
+from weightsync.sync.update_options import FLIPS
 
 logger = logging.getLogger(__name__)
 

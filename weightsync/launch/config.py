@@ -282,6 +282,10 @@ class RunConfig:
     """A failed update (a rank's or engine's error, a fingerprint mismatch) is tried again from
     scratch this many times before the run stops (``--update-retries``); every engine stays
     paused and dirty at the old version until an attempt verifies."""
+    pause_free: str = "auto"
+    """:attr:`~weightsync.sync.updater_config.UpdaterConfig.pause_free` (``--pause-free``)."""
+    flip: str = "swap"
+    """:attr:`~weightsync.sync.updater_config.UpdaterConfig.flip` (``--flip``)."""
     deadlines: Deadlines = field(default_factory=Deadlines)
     """Every wait of the run (``--deadlines``)."""
     extra: dict[str, str] = field(default_factory=dict)

@@ -73,6 +73,8 @@ class RunRequest:
     group_size: int = 4
     lr: float = 1e-5
     update_retries: int = 0
+    pause_free: str = "auto"
+    flip: str = "swap"
     deadlines: Deadlines = field(default_factory=Deadlines)
 
 
@@ -132,7 +134,8 @@ def resolve_run(req: RunRequest, env: EnvSettings, *, say: Callable[[str], None]
                      embedded_default=sizes.embedded, engine_urls=req.engine_urls, dtype=req.dtype,
                      hf_checkpoint=req.hf_checkpoint, synthetic=req.synthetic, nodes=nodes, cluster=cluster,
                      placement=placement, trainer=trainer, group_size=req.group_size, lr=req.lr,
-                     update_retries=req.update_retries, deadlines=req.deadlines)
+                     update_retries=req.update_retries, pause_free=req.pause_free, flip=req.flip,
+                     deadlines=req.deadlines)
 
 
 def _sizes(req: RunRequest, have: int, *, multi_node: bool, own_checkpoint: bool, say: Callable[[str], None]

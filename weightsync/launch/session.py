@@ -263,7 +263,8 @@ class RunSession:
         return UpdaterConfig(mode=self.cfg.mode, bucket_bytes=self.cfg.bucket_bytes, transport=self._transport(),
                              colocated=self.cfg.placement == "colocated", verify_every=1, master_address=host,
                              deadline_s=d.write_s, http_timeout_s=d.engine_call_s, group_timeout_s=d.group_s,
-                             update_retries=self.cfg.update_retries, token=self.procs.token)
+                             update_retries=self.cfg.update_retries, pause_free=self.cfg.pause_free,
+                             flip=self.cfg.flip, token=self.procs.token)
 
     def setup_updater(self) -> None:
         """Every trainer rank builds its :class:`~weightsync.sync.updater.WeightUpdater` (plan

@@ -11,11 +11,8 @@ from dataclasses import dataclass, field
 
 from weightsync.plan.broadcast import DEFAULT_BUCKET_BYTES
 from weightsync.plan.records import Mode
-from weightsync.sync.weight_copies import FLIPS
+from weightsync.sync.update_options import FLIPS, PAUSE_FREE
 from weightsync.transport import TransportConfig
-
-PAUSE_FREE = ("auto", "on", "off")
-""":attr:`UpdaterConfig.pause_free`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -51,11 +51,10 @@ from typing import Any
 import torch
 
 from weightsync.sync.params import ParamStore
+from weightsync.sync.update_options import FLIPS
 
 HOME = 0
 """The copy whose addresses sglang's transfer-engine info publishes."""
-FLIPS = ("swap", "copy")
-"""How a session's copy becomes the served one."""
 
 SHADOW_HEADROOM_BYTES = 2 << 30
 """GPU memory left free beside both copies before ``--shadow auto`` takes a shadow (activations,
