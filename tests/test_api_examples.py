@@ -63,6 +63,6 @@ def test_example_script_updates_the_engine_in_both_modes(engine_url: str):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 2, proc.stdout
-    assert lines[0].startswith("step 1: p2p, "), proc.stdout
-    assert lines[1].startswith("step 2: broadcast, "), proc.stdout
+    assert lines[0].startswith("step 1: p2p ("), proc.stdout
+    assert lines[1].startswith("step 2: broadcast ("), proc.stdout
     assert all(line.endswith("verified=True") for line in lines), proc.stdout
