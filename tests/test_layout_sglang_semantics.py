@@ -123,11 +123,14 @@ def test_fp8_scale_shapes_match_sglang_fp8_methods():
 
 @pytest.mark.parametrize(("par", "embed_split", "head_split"), [
     pytest.param(RolloutParallel(tp=4), 4, 4, id="tp4"),
-    pytest.param(RolloutParallel(tp=4, dp=2), 1, 4, id="dp-attention-replicates-embed"),
-    pytest.param(RolloutParallel(tp=4, dp=2, dp_lm_head=True), 1, 2, id="dp-lm-head-splits-over-attn-tp"),
+    pytest.param(RolloutParallel(tp=4, dp=2), 2, 4, id="dp-attention-splits-embed-over-attn-tp"),
+    pytest.param(RolloutParallel(tp=4, dp=4), 1, 4, id="attn-tp1-replicates-embed"),
+    pytest.param(RolloutParallel(tp=4, dp=2, dp_lm_head=True), 2, 2, id="dp-lm-head-splits-over-attn-tp"),
 ])
 def test_vocab_padding_and_split(par: RolloutParallel, embed_split: int, head_split: int):
-    """vocab_parallel_embedding: pad to 64, even split; embed replicated under DP-attention; dp-lm-head."""
+    """vocab_parallel_embedding: pad to 64, even split; the embedding over attention-TP
+    (``use_attn_tp_group=is_dp_attention_enabled()`` in Qwen2Model, Glm4MoeModel, ...; DeepseekV2Model's
+    ``get_embedding_tp_kwargs``), lm_head over TP or, with --enable-dp-lm-head, attention-TP."""
     spec = get_model("GLM-4.5-Air", "tiny")  # vocab 300 -> padded 320
     for rank in range(par.tp):
         ts = _by_name(engine_layout(spec, par, rank))
@@ -140,6 +143,27 @@ def test_vocab_padding_and_split(par: RolloutParallel, embed_split: int, head_sp
             assert [(p.global_box[0], p.local_box[0]) for p in t.pieces] == [((start, stop), (0, stop - start))]
             shard = vocab_shard(spec, par, rank, lm_head=name == "lm_head.weight")
             assert (shard.start, shard.stop, shard.rows, shard.padded_vocab) == (start, stop, rows, 320)
+
+
+@pytest.mark.parametrize(("vocab", "tp", "padded"), [
+    pytest.param(300, 6, 384, id="320-not-divisible-by-6-pads-to-64x6"),
+    pytest.param(300, 5, 320, id="320-divisible-by-5"),
+    pytest.param(163840, 24, 164352, id="kimi-vocab-over-24"),
+])
+def test_vocab_padded_to_64_times_split_when_64_does_not_divide(vocab: int, tp: int, padded: int):
+    """VocabParallelEmbedding.__init__: ``if pad_vocab_size(V, 64) % tp_size != 0: padding_size *= tp_size``."""
+    spec = get_model("Qwen3-30B-A3B", "tiny").replace(vocab_size=vocab, num_attention_heads=tp * 2, num_kv_heads=1,
+                                                      num_experts=tp * 2,
+                                                      moe_intermediate_size=tp * 8)
+    rows = padded // tp
+    for rank in (0, tp - 1):
+        shard = vocab_shard(spec, RolloutParallel(tp=tp), rank, lm_head=False)
+        assert (shard.padded_vocab, shard.rows) == (padded, rows)
+        t = _by_name(engine_layout(spec, RolloutParallel(tp=tp), rank))["lm_head.weight"]
+        start, stop = min(rank * rows, vocab), min((rank + 1) * rows, vocab)
+        assert t.shape == (rows, spec.hidden_size)
+        assert [(p.global_box[0], p.local_box[0]) for p in t.pieces] == ([((start, stop), (0, stop - start))]
+                                                                        if stop > start else [])
 
 
 def test_a_rank_of_only_padding_has_no_piece():
@@ -230,13 +254,9 @@ def test_refused_configurations(spec_change: dict, par: RolloutParallel, message
         engine_layout(spec, par, 0)
 
 
-def test_vocab_not_divisible_and_rank_out_of_range_are_refused():
-    spec = get_model("Qwen3-4B", "tiny")
-    with pytest.raises(ValueError, match="padded to 320 is not divisible"):
-        engine_layout(spec.replace(num_attention_heads=6, num_kv_heads=6, intermediate_size=192),
-                      RolloutParallel(tp=6), 0)
+def test_rank_out_of_range_is_refused():
     with pytest.raises(ValueError, match="outside"):
-        engine_layout(spec, RolloutParallel(tp=2), 2)
+        engine_layout(get_model("Qwen3-4B", "tiny"), RolloutParallel(tp=2), 2)
 
 
 def test_fp8_block_cut_is_refused_with_the_tensor_name():

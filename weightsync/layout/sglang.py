@@ -100,9 +100,8 @@ def engine_layout(spec: ModelSpec, par: RolloutParallel, rank: int) -> list[Loca
         The rank's local tensors, in model order (embedding, layers, final norm, lm_head).
 
     Raises:
-        ValueError: a configuration sglang refuses (heads, kv heads, experts, intermediate
-            sizes or vocab not divisible by their split; fp8 blocks cut by a split), naming the
-            constraint.
+        ValueError: a configuration sglang refuses (heads, kv heads, experts or intermediate
+            sizes not divisible by their split; fp8 blocks cut by a split), naming the constraint.
     """
     return list(_engine_layout_cached(spec, par, rank))
 

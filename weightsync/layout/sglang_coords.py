@@ -14,7 +14,8 @@ from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
 
 VOCAB_PADDING = 64
-"""sglang ``DEFAULT_VOCAB_PADDING_SIZE``: the vocab is padded to a multiple of this, then split evenly."""
+"""sglang ``DEFAULT_VOCAB_PADDING_SIZE``: the vocab is padded to a multiple of this (or of this times the
+split, when the split does not divide the padded vocab), then split evenly."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,7 +82,8 @@ class VocabShard:
     """How many ranks share the vocab (1 = replicated)."""
     split_rank: int
     padded_vocab: int
-    """Vocab padded to a multiple of :data:`VOCAB_PADDING`."""
+    """Vocab padded to a multiple of :data:`VOCAB_PADDING` (of ``VOCAB_PADDING * split`` when ``split``
+    does not divide that)."""
     rows: int
     """Local rows, padding included (``padded_vocab // split``)."""
     start: int
@@ -93,9 +95,13 @@ class VocabShard:
 def vocab_shard(spec: ModelSpec, par: RolloutParallel, rank: int, *, lm_head: bool) -> VocabShard:
     """Which vocab rows ``rank`` holds in ``model.embed_tokens`` (or ``lm_head`` when ``lm_head``).
 
-    ``embed_tokens`` is split over the full TP group, or replicated under DP-attention
-    (``enable_tp=not is_dp_attention_enabled()``); ``lm_head`` is split over the attention-TP
-    group with ``--enable-dp-lm-head`` and over the full TP group otherwise.
+    ``embed_tokens`` is split over the attention-TP group (every model class builds it with
+    ``use_attn_tp_group=is_dp_attention_enabled()``, or DeepseekV2Model through
+    ``get_embedding_tp_kwargs``; attention-TP is the whole TP group without DP-attention);
+    ``lm_head`` is split over the attention-TP group with ``--enable-dp-lm-head`` and over the
+    full TP group otherwise. The vocab is padded to a multiple of :data:`VOCAB_PADDING`, or of
+    ``VOCAB_PADDING * split`` when the split does not divide that
+    (``VocabParallelEmbedding.__init__``: ``padding_size *= tp_size``).
 
     Args:
         spec: the model.
@@ -107,21 +113,21 @@ def vocab_shard(spec: ModelSpec, par: RolloutParallel, rank: int, *, lm_head: bo
         The :class:`VocabShard`.
 
     Raises:
-        ValueError: rank out of range, or the padded vocab not divisible by the split.
+        ValueError: rank out of range.
     """
     c = engine_coords(par, rank)
-    if lm_head:
-        split, split_rank = (c.attn_tp_size, c.attn_tp_rank) if par.dp_lm_head else (c.tp_size, c.tp_rank)
+    if lm_head and not par.dp_lm_head:
+        split, split_rank = c.tp_size, c.tp_rank
     else:
-        split, split_rank = (1, 0) if par.dp > 1 else (c.tp_size, c.tp_rank)
-    padded = -(-spec.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+        split, split_rank = c.attn_tp_size, c.attn_tp_rank
+    padded = _pad(spec.vocab_size, VOCAB_PADDING)
     if padded % split:
-        which = "lm_head" if lm_head else "embed_tokens"
-        raise ValueError(
-            f"{spec.name}: {which} vocab {spec.vocab_size} padded to {padded} is not divisible by its "
-            f"split size {split}; sglang pads to a multiple of {VOCAB_PADDING} only"
-        )
+        padded = _pad(spec.vocab_size, VOCAB_PADDING * split)
     rows = padded // split
     start = min(split_rank * rows, spec.vocab_size)
     stop = min(start + rows, spec.vocab_size)
     return VocabShard(split=split, split_rank=split_rank, padded_vocab=padded, rows=rows, start=start, stop=stop)
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

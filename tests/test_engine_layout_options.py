@@ -1,0 +1,112 @@
+"""Contract: the engine computes the reference's logits in every layout sglang can register that the
+two-rank engine tests do not reach (gloo, one spawn per engine size), and holds exactly the
+parameters of its layout (names, shapes, dtypes):
+
+* ``embed-attn-tp2``: DP-attention with attention-TP 2 (tp 4, dp 2) -- the embedding split over
+  the attention-TP group, as ``VocabParallelEmbedding(use_attn_tp_group=is_dp_attention_enabled())``
+  builds it, with the lm_head over TP and, with ``--enable-dp-lm-head``, over attention-TP.
+* ``vocab-64x3``: tp 3, where 64 does not divide the padded vocab (300 -> 320): sglang pads to
+  ``64 * 3`` (384 rows, 128 per rank) instead.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.engine_helpers import LOGIT_ATOL, LOGIT_RTOL, PROMPTS, SEED, one_torch_thread  # noqa: F401
+from weightsync.engine.reference import Reference
+from weightsync.layout.sglang import engine_layout, vocab_shard
+from weightsync.models import get_model
+from weightsync.models.checkpoint import hf_config_dict, synthetic_hf_tensors, write_hf_checkpoint
+from weightsync.models.parallel import RolloutParallel
+from weightsync.models.spec import ModelSpec
+
+
+def _specs() -> dict[str, ModelSpec]:
+    qwen3 = get_model("Qwen3-4B", "tiny")
+    return {
+        "Qwen3-30B-A3B": get_model("Qwen3-30B-A3B", "tiny"),
+        "Kimi-K2": get_model("Kimi-K2", "tiny"),
+        # 6 heads, 3 kv heads and a dense FFN of 192 split over 3 ranks; vocab 300 (320 is not a multiple of 3).
+        "Qwen3-tp3": qwen3.replace(name="Qwen3-tp3", num_attention_heads=6, num_kv_heads=3, intermediate_size=192),
+    }
+
+
+CASES: list[tuple[str, str, RolloutParallel]] = [
+    ("embed-attn-tp2", "Qwen3-30B-A3B", RolloutParallel(tp=4, dp=2, ep=2)),
+    ("embed-attn-tp2-dplmhead", "Kimi-K2", RolloutParallel(tp=4, dp=2, ep=4, moe_dense_tp=1, dp_lm_head=True)),
+    ("vocab-64x3", "Qwen3-tp3", RolloutParallel(tp=3)),
+]
+
+
+def _rank_main(rank: int, world: int, port: int, cases: list[tuple[str, str, RolloutParallel]],
+               ckpts: dict[str, str], out: str) -> None:
+    import torch.distributed as dist
+
+    from weightsync.engine.engine import Engine
+    from weightsync.engine.tp import EngineGroups
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    specs = _specs()
+    seen: dict[str, Any] = {}
+    for case, model, par in cases:
+        engine = Engine.build(specs[model], EngineGroups.build(par, rank), device=torch.device("cpu"))
+        engine.load_checkpoint(ckpts[model])
+        params = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in engine.store.items()}
+        seen[case] = {"logits": engine.prompt_logits([list(p) for p in PROMPTS]), "params": params}
+        engine.close()
+    if rank == 0:
+        torch.save(seen, out)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Reference]]:
+    root = tmp_path_factory.mktemp("layout_options")
+    ckpts, refs = {}, {}
+    for name, spec in _specs().items():
+        tensors = synthetic_hf_tensors(spec, SEED)
+        write_hf_checkpoint(root / name, tensors, hf_config_dict(spec))
+        ckpts[name] = str(root / name)
+        refs[name] = Reference(spec, tensors)
+    seen: dict[str, Any] = {}
+    for world in sorted({par.tp for _, _, par in CASES}):
+        cases = [c for c in CASES if c[2].tp == world]
+        out = root / f"seen{world}.pt"
+        mp.start_processes(_rank_main, args=(world, _free_port(), cases, ckpts, str(out)), nprocs=world,
+                           start_method="spawn")
+        seen.update(torch.load(out, weights_only=False))
+    return seen, refs
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("case", "model", "par"), CASES, ids=[c[0] for c in CASES])
+def test_engine_matches_reference(engines: tuple[dict[str, Any], dict[str, Reference]], case: str, model: str,
+                                  par: RolloutParallel) -> None:
+    seen, refs = engines
+    spec = _specs()[model]
+    assert seen[case]["params"] == {t.name: (t.shape, t.dtype) for t in engine_layout(spec, par, 0)}
+    for prompt, logits in zip(PROMPTS, seen[case]["logits"], strict=True):
+        torch.testing.assert_close(logits, refs[model].logits(list(prompt)), atol=LOGIT_ATOL, rtol=LOGIT_RTOL)
+
+
+def test_cases_reach_the_layouts_they_name() -> None:
+    """The embedding is split over attention-TP 2 (not replicated, not over TP 4); the tp-3 vocab is
+    padded to 64 * 3."""
+    specs = _specs()
+    assert vocab_shard(specs["Qwen3-30B-A3B"], CASES[0][2], 3, lm_head=False).split == 2
+    assert vocab_shard(specs["Kimi-K2"], CASES[1][2], 3, lm_head=True).split == 2
+    shard = vocab_shard(specs["Qwen3-tp3"], CASES[2][2], 2, lm_head=False)
+    assert (shard.padded_vocab, shard.rows, shard.start, shard.stop) == (384, 128, 256, 300)
