@@ -7,6 +7,8 @@ parameters of its layout (names, shapes, dtypes):
   builds it, with the lm_head over TP and, with ``--enable-dp-lm-head``, over attention-TP.
 * ``vocab-64x3``: tp 3, where 64 does not divide the padded vocab (300 -> 320): sglang pads to
   ``64 * 3`` (384 rows, 128 per rank) instead.
+* ``router-model-dtype``: GLM-4.5-Air's router in the model dtype, as sglang 0.5.16 registers it
+  (``serve --router-dtype model``; sglang 0.5.23 and the default: float32).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _specs() -> dict[str, ModelSpec]:
     return {
         "Qwen3-30B-A3B": get_model("Qwen3-30B-A3B", "tiny"),
         "Kimi-K2": get_model("Kimi-K2", "tiny"),
+        "GLM-4.5-Air": get_model("GLM-4.5-Air", "tiny"),
         # 6 heads, 3 kv heads and a dense FFN of 192 split over 3 ranks; vocab 300 (320 is not a multiple of 3).
         "Qwen3-tp3": qwen3.replace(name="Qwen3-tp3", num_attention_heads=6, num_kv_heads=3, intermediate_size=192),
     }
@@ -41,6 +44,7 @@ CASES: list[tuple[str, str, RolloutParallel]] = [
     ("embed-attn-tp2", "Qwen3-30B-A3B", RolloutParallel(tp=4, dp=2, ep=2)),
     ("embed-attn-tp2-dplmhead", "Kimi-K2", RolloutParallel(tp=4, dp=2, ep=4, moe_dense_tp=1, dp_lm_head=True)),
     ("vocab-64x3", "Qwen3-tp3", RolloutParallel(tp=3)),
+    ("router-model-dtype", "GLM-4.5-Air", RolloutParallel(tp=1, router_fp32=False)),
 ]
 
 
@@ -110,3 +114,5 @@ def test_cases_reach_the_layouts_they_name() -> None:
     assert vocab_shard(specs["Kimi-K2"], CASES[1][2], 3, lm_head=True).split == 2
     shard = vocab_shard(specs["Qwen3-tp3"], CASES[2][2], 2, lm_head=False)
     assert (shard.padded_vocab, shard.rows, shard.start, shard.stop) == (384, 128, 256, 300)
+    dtypes = {t.name: t.dtype for t in engine_layout(specs["GLM-4.5-Air"], CASES[3][2], 0)}
+    assert dtypes["model.layers.1.mlp.gate.weight"] == "bfloat16"

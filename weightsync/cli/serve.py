@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="split the lm_head vocab over attention-TP instead of full TP (with --dp > 1)",
     )
+    parser.add_argument("--router-dtype", choices=("float32", "model"), default=None,
+                        help="dtype of the MoE routers' mlp.gate.weight: float32, or the model's (as sglang 0.5.16 "
+                        "registers GLM routers); default: sglang 0.5.23's rule (float32 for GLM-4.5 and GLM-4.7-Flash, "
+                        "config.json router_fp32 for DeepSeek-V3 models)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks compute")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port")
@@ -107,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ep=args.ep,
         moe_dense_tp_size=args.moe_dense_tp_size,
         enable_dp_lm_head=args.enable_dp_lm_head,
+        router_fp32=None if args.router_dtype is None else args.router_dtype == "float32",
         device=args.device,
         host=args.host,
         port=args.port,

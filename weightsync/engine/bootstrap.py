@@ -67,7 +67,8 @@ def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
     check_access(cfg)
     spec = model_spec(cfg.model, cfg.scale, checkpoint=cfg.checkpoint, dtype=cfg.dtype)
     par = RolloutParallel(
-        tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, moe_dense_tp=cfg.moe_dense_tp_size, dp_lm_head=cfg.enable_dp_lm_head
+        tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, moe_dense_tp=cfg.moe_dense_tp_size, dp_lm_head=cfg.enable_dp_lm_head,
+        router_fp32=cfg.router_fp32,
     )
     check_engine_parallel(spec, par)
     if cfg.device == "cuda" and torch.cuda.device_count() < par.tp:

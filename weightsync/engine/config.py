@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from weightsync.models.parallel import RolloutParallel
 from weightsync.transport import TransportConfig
 
 TRANSFER_INFO_FORMATS = ("weightsync", "sglang")
@@ -38,6 +39,10 @@ class ServeConfig:
     """sglang ``--moe-dense-tp-size`` (only 1: dense MLP layers replicated; None: split over TP)."""
     enable_dp_lm_head: bool = False
     """sglang ``--enable-dp-lm-head``: lm_head vocab split over attention-TP instead of full TP."""
+    router_fp32: bool | None = None
+    """Layout option ``router_fp32`` (:mod:`weightsync.layout.sglang_options`): the MoE routers in
+    float32 (True) or the model dtype (False, as sglang 0.5.16 registers GLM routers); None: sglang
+    0.5.23's rule for the model."""
     device: str = "cpu"
     """``cpu`` or ``cuda`` (rank r uses ``cuda:r``)."""
     host: str = "127.0.0.1"
@@ -122,3 +127,12 @@ class ServeConfig:
         if self.token is not None and len(self.token) < 16:
             raise ValueError("the engine token must be at least 16 characters (e.g. python -c 'import secrets; "
                              "print(secrets.token_urlsafe(32))')")
+
+
+def option_flags(par: RolloutParallel) -> list[str]:
+    """The ``weightsync serve`` flags that give an engine ``par``'s layout options (none for an
+    option left to sglang's rule)."""
+    flags: list[str] = []
+    if par.router_fp32 is not None:
+        flags += ["--router-dtype", "float32" if par.router_fp32 else "model"]
+    return flags

@@ -23,6 +23,7 @@ Typical usage::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.engine.config import ServeConfig
+from weightsync.layout.sglang_options import layout_options
 from weightsync.models.resolve import describe_model
 from weightsync.proc import die_with_parent, free_port
 from weightsync.transport.config import NONE
@@ -305,6 +307,7 @@ def server_info(
             "compute_dtype": cfg.compute_dtype,
             "model_type": spec.hf_model_type,
             "architectures": [spec.hf_architecture],
+            "layout_options": dataclasses.asdict(layout_options(spec, par)),
             "pid": os.getpid(),
         },
     }

@@ -96,13 +96,14 @@ class AttachedEngine:
 
 def serve_argv(*, model: str, scale: str, tp: int, ep: int, dp: int, device: str, port: int, checkpoint: Path | None,
                transport: TransportConfig | None, host: str = "127.0.0.1", moe_dense_tp: int | None = None,
-               dp_lm_head: bool = False, extra: Sequence[str] = ()) -> list[str]:
+               dp_lm_head: bool = False, options: Sequence[str] = (), extra: Sequence[str] = ()) -> list[str]:
     """The command line of one engine (``python -m weightsync.cli serve ...``); ``transport`` travels
     whole, as one JSON argument (the engine binds its own GPUs and address)."""
     argv = [sys.executable, "-m", "weightsync.cli", "serve", model, "--scale", scale, "--tp", str(tp), "--ep", str(ep),
             "--dp", str(dp), "--device", device, "--host", host, "--port", str(port), *receiver_argv(transport)]
     argv += ["--moe-dense-tp-size", str(moe_dense_tp)] if moe_dense_tp is not None else []
     argv += ["--enable-dp-lm-head"] if dp_lm_head else []
+    argv += list(options)  # the layout options' flags (weightsync.engine.config.option_flags)
     argv += ["--checkpoint", str(checkpoint)] if checkpoint is not None else ["--load-format", "dummy"]
     return argv + list(extra)
 

@@ -29,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from weightsync.engine.config import option_flags
 from weightsync.launch.config import RunConfig
 from weightsync.launch.messages import Export, Memory, SetupUpdater, TrainStep, Update
 from weightsync.launch.placement import EngineEndpoint, LocalPlacement, Placement
@@ -142,6 +143,7 @@ class RunSession:
             return serve_argv(model=cfg.model, scale=cfg.scale, tp=r.tp, ep=r.ep, dp=r.dp, device=cfg.device,
                               port=ep.port, checkpoint=None if cfg.env.skip_validation else self.hf_dir,
                               transport=transport, host=ep.host, moe_dense_tp=r.moe_dense_tp, dp_lm_head=r.dp_lm_head,
+                              options=option_flags(r),
                               # dummy weights of the checkpoint's shapes when the equality check is skipped
                               extra=[*COMPUTE_DTYPE_ARGS, "--dtype", cfg.dtype,
                                      *(["--checkpoint", str(self.hf_dir)] if cfg.env.skip_validation else [])])

@@ -33,9 +33,13 @@ Choices where sglang has several paths (documented once here):
 
 Dtypes: the model dtype (``spec.dtype``), except block-quantized linear weights
 (``float8_e4m3fn``) and their ``weight_scale_inv`` (``float32``), the router's
-``e_score_correction_bias`` (``float32``, MoEGate / Glm4MoeGate) and the DSA indexer's
-``k_norm`` weight and bias (``float32``, V32LayerNorm). A local dtype other than the global
-tensor's tells the sender to cast (or quantize) while packing.
+``e_score_correction_bias`` (``float32``, MoEGate / Glm4MoeGate) and, with the ``router_fp32``
+option, its weight (:mod:`weightsync.layout.sglang_options`), and the DSA indexer's ``k_norm``
+weight and bias (``float32``, V32LayerNorm). A local dtype other than the global tensor's tells
+the sender to cast (or quantize) while packing.
+
+Options: where sglang's layout depends on the GPU, the flags or the version (router dtype, ...),
+``par`` carries a named option, resolved by :func:`weightsync.layout.sglang_options.layout_options`.
 
 Typical usage::
 
@@ -56,6 +60,7 @@ from weightsync.layout.sglang_coords import (
     engine_coords,
     vocab_shard,
 )
+from weightsync.layout.sglang_options import layout_options
 from weightsync.layout.sglang_parts import (
     LayerBuilder,
     build_attention,
@@ -110,7 +115,7 @@ def engine_layout(spec: ModelSpec, par: RolloutParallel, rank: int) -> list[Loca
 def _engine_layout_cached(spec: ModelSpec, par: RolloutParallel, rank: int) -> tuple[LocalTensor, ...]:
     coords = engine_coords(par, rank)
     check_engine_parallel(spec, par)
-    b = LayerBuilder(spec)
+    b = LayerBuilder(spec, layout_options(spec, par))
     build_vocab(b, "model.embed_tokens.weight", "model.embed_tokens.weight",
                 vocab_shard(spec, par, rank, lm_head=False))
     for layer in range(spec.num_layers):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from weightsync.layout.box import Box, LocalTensor, Piece, full_box
 from weightsync.layout.sglang_coords import EngineCoords, VocabShard
+from weightsync.layout.sglang_options import LayoutOptions
 from weightsync.models.hf import is_fp8_linear
 from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import Family, ModelSpec
@@ -73,8 +74,9 @@ def col_seg(gname: str, gshape: tuple[int, ...], g0: int, g1: int, lead: Box = (
 class LayerBuilder:
     """Collects one rank's local tensors; adds fp8 scale tensors for block-quantized weights."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, options: LayoutOptions) -> None:
         self.spec = spec
+        self.options = options
         self.tensors: list[LocalTensor] = []
 
     def replicated(self, name: str, shape: tuple[int, ...] | None = None, dtype: str | None = None) -> None:
@@ -281,7 +283,7 @@ def build_mlp(b: LayerBuilder, c: EngineCoords, par: RolloutParallel, layer: int
         _gate_up_down(b, m, spec.intermediate_size, *dense_mlp_split(spec, par, c))
         return
     e, h = spec.num_experts, spec.hidden_size
-    b.replicated(m + "gate.weight", (e, h))
+    b.replicated(m + "gate.weight", (e, h), dtype="float32" if b.options.router_fp32 else None)
     if spec.router_expert_bias:
         b.replicated(m + "gate.e_score_correction_bias", (e,), dtype="float32")
     _experts(b, c, m)

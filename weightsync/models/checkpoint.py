@@ -152,6 +152,8 @@ def _moe_config(spec: ModelSpec) -> dict[str, Any]:
         "topk_method": "noaux_tc" if spec.router_expert_bias else "group_limited_greedy" if spec.n_group > 1
         else "greedy",
     }
+    if spec.router_fp32:
+        out["router_fp32"] = True
     if spec.mlp_layer_types is None:
         out.update(first_k_dense_replace=spec.first_k_dense_replace, moe_layer_freq=spec.moe_layer_freq)
     else:

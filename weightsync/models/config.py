@@ -432,6 +432,10 @@ def _moe_fields(f: _Fields, family: Family, num_layers: int) -> dict[str, Any]:
     out.update(num_shared_experts=int(shared), routed_scaling_factor=f.number("routed_scaling_factor"),
                n_group=f.positive_int("n_group"), topk_group=f.positive_int("topk_group"))
     out.update(_router_method(f, family))
+    router_fp32 = f.get("router_fp32", False)
+    if not isinstance(router_fp32, bool):
+        raise f.refuse("router_fp32", router_fp32, "expected true or false")
+    out["router_fp32"] = router_fp32
     out.update(_dense_layers(f, num_layers))
     return out
 

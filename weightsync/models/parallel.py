@@ -75,6 +75,10 @@ class RolloutParallel:
     """``--moe-dense-tp-size`` (1: dense MLP layers replicated instead of TP-split)."""
     dp_lm_head: bool = False
     """``--enable-dp-lm-head``: vocab split over attention-TP instead of full TP."""
+    router_fp32: bool | None = None
+    """Layout option: the MoE routers' ``mlp.gate.weight`` in float32 (True) or in the model dtype
+    (False, as sglang 0.5.16 keeps GLM routers); None: sglang 0.5.23's rule for the model
+    (:func:`weightsync.layout.sglang_options.layout_options`)."""
 
     def __post_init__(self) -> None:
         for k in ("tp", "dp", "ep", "num_engines"):

@@ -142,6 +142,9 @@ class ModelSpec:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    router_fp32: bool = False
+    """config.json ``router_fp32`` (DeepSeek-V2/V3 architectures, GLM-5): sglang 0.5.23's ``MoEGate``
+    holds the router weight in float32 (GLM-4.5 and GLM-4.7-Flash routers always are)."""
 
     # MLA (DeepSeek-V3 family)
     q_lora_rank: int | None = None

@@ -31,7 +31,9 @@ from typing import Any, TypeVar
 
 from weightsync.layout.box import LocalTensor
 from weightsync.layout.sglang_coords import engine_coords
+from weightsync.layout.sglang_options import options_from_table, stale_router_warning
 from weightsync.models.parallel import RolloutParallel
+from weightsync.models.spec import ModelSpec
 from weightsync.sync.engine_client import EngineClient, EngineError
 from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, dest_rank_from_info
 
@@ -107,8 +109,12 @@ class Engines:
         """``fn`` in the engines' thread pool (a future)."""
         return self._pool.submit(fn, *args, **kwargs)
 
-    def rollout_parallel(self) -> RolloutParallel:
-        """The engines' layout from ``/server_info`` (all engines must have the same).
+    def rollout_parallel(self, spec: ModelSpec | None = None) -> RolloutParallel:
+        """The engines' layout from ``/server_info`` (all engines must have the same); with
+        ``spec``, its layout options as engine 0's rank 0 publishes them
+        (:func:`~weightsync.layout.sglang_options.options_from_table`; sglang 0.5.23's rules where
+        the engine publishes no table), warning when the engine ignores router updates
+        (:func:`~weightsync.layout.sglang_options.stale_router_warning`).
 
         Raises:
             ValueError: an engine's answer lacks a size, or two engines differ (named).
@@ -123,7 +129,23 @@ class Engines:
         for i, r in enumerate(layouts[1:], start=1):
             if r != layouts[0]:
                 raise ValueError(f"{self.where(i)} has another layout ({r}) than {self.where(0)} ({layouts[0]})")
-        return layouts[0]
+        if spec is None:
+            return layouts[0]
+        return self._published_options(spec, layouts[0], infos[0])
+
+    def _published_options(self, spec: ModelSpec, rollout: RolloutParallel, info: dict[str, Any]) -> RolloutParallel:
+        try:
+            weights = self.clients[0].transfer_engine_info(0)["remote_instance_transfer_engine_info"][1]
+        except (EngineError, KeyError, IndexError, TypeError) as exc:
+            log.warning("%s publishes no parameter table (%s): its layout options are taken as sglang 0.5.23's "
+                        "rules", self.where(0), exc)
+            weights = {}
+        found = options_from_table(spec, rollout, weights)
+        if "weightsync" not in info:  # this project's engine computes with the router it holds
+            warning = stale_router_warning(spec, found, info.get("version"))
+            if warning is not None:
+                log.warning("%s: %s", self.where(0), warning)
+        return found
 
     def transfer_infos(self, rollout: RolloutParallel, dest_layout: Callable[[int], Sequence[LocalTensor]],
                        kind: str | None = None) -> dict[int, dict[str, Any]]:

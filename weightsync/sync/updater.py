@@ -192,7 +192,7 @@ class WeightUpdater:
 
         def find() -> _Discovered:
             assert self.engines is not None
-            r = rollout or self.engines.rollout_parallel()
+            r = rollout or self.engines.rollout_parallel(self.spec)
             if Mode.P2P not in self.config.modes:
                 return _Discovered(rollout=r, infos=None, kind=None, pause_reason=self._pause_reason(None, r.tp))
             inputs = self._inputs(r)

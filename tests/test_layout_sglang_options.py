@@ -1,0 +1,124 @@
+"""The layout options: each is sglang's rule by default, a given value overrides it, and a trainer
+reads it from what an engine publishes.
+
+Rules checked against the sglang 0.5.23 classes they come from (python/sglang/srt/):
+
+* router dtype: ``models/glm4_moe.py`` ``Glm4MoeGate`` and ``models/glm4_moe_lite.py``
+  ``Glm4MoeLiteGate`` create ``weight`` with ``dtype=torch.float32``; ``models/deepseek_v2.py``
+  ``MoEGate`` with ``torch.float32 if getattr(config, "router_fp32", False) else
+  torch.get_default_dtype()``; ``models/qwen3_moe.py``'s gate is a ``ReplicatedLinear`` in the
+  model dtype. sglang 0.5.16's ``Glm4MoeGate`` holds the model dtype plus a ``_weight_fp32``
+  cache filled on the first forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from weightsync.layout.sglang import engine_layout
+from weightsync.layout.sglang_options import layout_options, options_from_table, stale_router_warning
+from weightsync.models import get_model
+from weightsync.models.checkpoint import hf_config_dict
+from weightsync.models.config import spec_from_hf_config
+from weightsync.models.parallel import RolloutParallel
+from weightsync.sync.engine_client import EngineClient
+from weightsync.sync.engines import Engines
+
+
+def _gate_dtype(spec: Any, par: RolloutParallel) -> str:
+    layer = next(x for x in range(spec.num_layers) if spec.is_moe_layer(x))
+    return {t.name: t.dtype for t in engine_layout(spec, par, 0)}[f"model.layers.{layer}.mlp.gate.weight"]
+
+
+@pytest.mark.parametrize(("model", "router_fp32", "dtype"), [
+    pytest.param("GLM-4.5-Air", False, "float32", id="glm4moe-gate-float32"),
+    pytest.param("GLM-4.7-Flash", False, "float32", id="glm4moe-lite-gate-float32"),
+    pytest.param("Kimi-K2", False, "bfloat16", id="moegate-model-dtype"),
+    pytest.param("Kimi-K2", True, "float32", id="moegate-router-fp32"),
+    pytest.param("GLM-5", True, "float32", id="glm5-moegate-router-fp32"),
+    pytest.param("Qwen3-30B-A3B", True, "bfloat16", id="qwen3-moe-replicated-linear-gate"),
+])
+def test_router_dtype_follows_sglang_0_5_23(model: str, router_fp32: bool, dtype: str):
+    spec = get_model(model, "tiny").replace(router_fp32=router_fp32)
+    assert _gate_dtype(spec, RolloutParallel(tp=2)) == dtype
+    # the given option wins over the rule: sglang 0.5.16's GLM gate, or a float32 one asked for
+    assert _gate_dtype(spec, RolloutParallel(tp=2, router_fp32=False)) == "bfloat16"
+    if spec.family.value != "qwen3_moe":
+        assert _gate_dtype(spec, RolloutParallel(tp=2, router_fp32=True)) == "float32"
+
+
+def test_router_fp32_is_read_from_config_json():
+    spec = get_model("GLM-5", "tiny").replace(router_fp32=True)
+    cfg = hf_config_dict(spec)
+    assert cfg["router_fp32"] is True
+    assert spec_from_hf_config(cfg, name="GLM-5", scale="tiny").router_fp32
+    cfg.pop("router_fp32")
+    assert not spec_from_hf_config(cfg, name="GLM-5", scale="tiny").router_fp32
+
+
+@pytest.mark.parametrize(("model", "par"), [
+    pytest.param("GLM-4.5-Air", RolloutParallel(tp=2, router_fp32=False), id="glm-router-model-dtype"),
+    pytest.param("GLM-4.7-Flash", RolloutParallel(tp=2), id="glm-lite-rule"),
+    pytest.param("Kimi-K2", RolloutParallel(tp=2, ep=2, router_fp32=True), id="kimi-router-fp32"),
+    pytest.param("Qwen3-30B-A3B", RolloutParallel(tp=2), id="qwen3-moe"),
+])
+def test_options_are_read_back_from_a_published_table(model: str, par: RolloutParallel):
+    """What an engine of ``par`` publishes (``{name: [ptr, numel, element_size]}``) gives back its options."""
+    spec = get_model(model, "tiny")
+    table = {t.name: [0, t.numel, {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}[t.dtype]]
+             for t in engine_layout(spec, par, 1) if not t.derived}
+    found = options_from_table(spec, RolloutParallel(tp=par.tp, ep=par.ep), table)
+    assert layout_options(spec, found) == layout_options(spec, par)
+    assert [t.dtype for t in engine_layout(spec, found, 1)] == [t.dtype for t in engine_layout(spec, par, 1)]
+
+
+def test_stale_router_warning_only_for_a_glm_router_in_the_model_dtype():
+    glm = get_model("GLM-4.5-Air", "tiny")
+    warning = stale_router_warning(glm, RolloutParallel(tp=2, router_fp32=False), "0.5.16")
+    assert warning is not None
+    assert "0.5.16" in warning
+    assert "ignored" in warning
+    assert stale_router_warning(glm, RolloutParallel(tp=2), "0.5.23") is None
+    assert stale_router_warning(get_model("Kimi-K2", "tiny"), RolloutParallel(tp=2), "0.5.16") is None
+
+
+class _PublishingClient(EngineClient):
+    """An engine that answers /server_info and one rank's table as sglang 0.5.16 would (no HTTP)."""
+
+    def __init__(self, info: dict[str, Any], weights: dict[str, list[int]]) -> None:
+        super().__init__("http://sglang.invalid:30000")
+        self._info, self._weights = info, weights
+
+    def server_info(self) -> dict[str, Any]:
+        return self._info
+
+    def transfer_engine_info(self, rank: int) -> dict[str, Any]:
+        return {"rank": rank, "remote_instance_transfer_engine_info": ["host:1", self._weights]}
+
+
+def test_discovery_reads_the_router_dtype_and_warns_about_sglang_0_5_16(caplog: pytest.LogCaptureFixture):
+    spec = get_model("GLM-4.5-Air", "tiny")
+    par = RolloutParallel(tp=2, router_fp32=False)
+    table = {t.name: [0, t.numel, 4 if t.dtype == "float32" else 2] for t in engine_layout(spec, par, 0)
+             if not t.derived}
+    info = {"tp_size": 2, "dp_size": 1, "ep_size": 1, "pp_size": 1, "moe_dense_tp_size": None,
+            "enable_dp_lm_head": False, "version": "0.5.16"}
+    engines = Engines([_PublishingClient(info, table)])
+    try:
+        with caplog.at_level(logging.WARNING, logger="weightsync.sync.engines"):
+            found = engines.rollout_parallel(spec)
+        assert found.router_fp32 is False
+        assert any("0.5.16" in r.getMessage() and "ignored" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="weightsync.sync.engines"):
+            assert engines.rollout_parallel(None).router_fp32 is None  # without a model: sizes only
+        # this project's engine computes with the router it holds: no warning
+        engines.clients[0]._info = {**info, "weightsync": {}}  # type: ignore[attr-defined]
+        with caplog.at_level(logging.WARNING, logger="weightsync.sync.engines"):
+            assert engines.rollout_parallel(spec).router_fp32 is False
+        assert not caplog.records
+    finally:
+        engines.close()

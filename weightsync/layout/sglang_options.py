@@ -1,0 +1,114 @@
+"""The layout choices sglang makes for a model on an engine, as named options.
+
+sglang 0.5.23 (python/sglang/srt/) registers different parameters for the same model depending on
+the model's config, the GPU, the engine's flags and its version. Each such choice is an option
+of :class:`~weightsync.models.parallel.RolloutParallel`; ``None`` there means "sglang 0.5.23's rule
+on a CUDA engine of compute capability 8.0 or more" (the GPUs the reference system runs on),
+resolved here for a model by :func:`layout_options`; a value given (from what an engine
+publishes, :func:`options_from_table`, or an engine's own flags) overrides the rule.
+
+* ``router_fp32`` -- the MoE router ``mlp.gate.weight`` in float32: ``Glm4MoeGate``
+  (``models/glm4_moe.py``) and ``Glm4MoeLiteGate`` (``models/glm4_moe_lite.py``) always;
+  DeepSeek's ``MoEGate`` (``models/deepseek_v2.py``; Kimi-K2, GLM-5) when config.json says
+  ``router_fp32``; Qwen3-MoE's ``ReplicatedLinear`` gate never. sglang 0.5.16 keeps the GLM
+  routers in the model dtype and caches a float32 copy on the first forward that no update ever
+  refreshes (:func:`stale_router_warning`).
+
+Typical usage::
+
+    opts = layout_options(spec, RolloutParallel(tp=8, ep=8))
+    opts.router_fp32        # True for GLM-4.5-Air
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from weightsync.models.parallel import RolloutParallel
+from weightsync.models.spec import Family, ModelSpec
+
+GLM_ROUTER_ARCHITECTURES = ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+"""Architectures whose router sglang 0.5.23 always holds in float32 (``Glm4MoeGate``, ``Glm4MoeLiteGate``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutOptions:
+    """The options of one engine layout, resolved for a model (module docstring)."""
+
+    router_fp32: bool
+    """``mlp.gate.weight`` in float32 (else the model dtype)."""
+
+
+def sglang_router_fp32(spec: ModelSpec) -> bool:
+    """sglang 0.5.23's router dtype rule: float32 for the GLM gates, ``config.router_fp32`` for
+    DeepSeek's ``MoEGate``, the model dtype for Qwen3-MoE."""
+    if spec.hf_architecture in GLM_ROUTER_ARCHITECTURES:
+        return True
+    return spec.family is Family.DEEPSEEK_V3 and spec.router_fp32
+
+
+def layout_options(spec: ModelSpec, par: RolloutParallel) -> LayoutOptions:
+    """The options of ``par`` for ``spec``: each given value, else sglang 0.5.23's rule.
+
+    Args:
+        spec: the model.
+        par: the engine's parallel sizes and options.
+
+    Returns:
+        The resolved :class:`LayoutOptions`.
+    """
+    router = par.router_fp32 if par.router_fp32 is not None else sglang_router_fp32(spec)
+    return LayoutOptions(router_fp32=bool(spec.is_moe and router))
+
+
+def _first_moe_layer(spec: ModelSpec) -> int | None:
+    return next((layer for layer in range(spec.num_layers) if spec.is_moe_layer(layer)), None)
+
+
+def options_from_table(spec: ModelSpec, par: RolloutParallel, weights: Mapping[str, Sequence[int]]) -> RolloutParallel:
+    """``par`` with every option an engine's published parameter table shows set to what it shows.
+
+    ``weights`` is one rank's ``{name: [ptr, numel, element_size]}``
+    (``/get_remote_instance_transfer_engine_info``, sglang's ``model.named_parameters()``). An
+    option the table says nothing about (its parameters are not there) keeps ``par``'s value.
+
+    Args:
+        spec: the model.
+        par: the engine's parallel sizes (from ``/server_info``).
+        weights: the table of any rank of the engine.
+
+    Returns:
+        ``par`` with the options the table decides.
+    """
+    changes: dict[str, object] = {}
+    layer = _first_moe_layer(spec)
+    if layer is not None:
+        gate = weights.get(f"model.layers.{layer}.mlp.gate.weight")
+        if gate is not None:
+            changes["router_fp32"] = int(gate[2]) == 4
+    return replace(par, **changes) if changes else par
+
+
+def stale_router_warning(spec: ModelSpec, par: RolloutParallel, version: str | None) -> str | None:
+    """The warning an update into an engine with sglang 0.5.16's GLM router deserves, or None.
+
+    sglang 0.5.16's ``Glm4MoeGate`` / ``Glm4MoeLiteGate`` hold the router in the model dtype and
+    compute with a float32 copy made on the first forward and never refreshed (a non-persistent
+    ``_weight_fp32`` buffer): every update writes the router, and the engine goes on routing with
+    the weights it started with. Such an engine publishes the router in the model dtype
+    (``router_fp32`` False for a GLM architecture).
+
+    Args:
+        spec: the model.
+        par: the engine's layout, options as the engine published them.
+        version: the engine's ``/server_info`` ``version`` (for the message).
+    """
+    if spec.hf_architecture not in GLM_ROUTER_ARCHITECTURES or not spec.is_moe:
+        return None
+    if layout_options(spec, par).router_fp32:
+        return None
+    return (f"the engine (sglang {version or 'of unknown version'}) holds the {spec.hf_architecture} router "
+            f"mlp.gate.weight in {spec.dtype}: sglang 0.5.16 computes with a float32 copy made once, on its first "
+            "forward, so the router weights this update writes are ignored until the engine restarts "
+            "(sglang 0.5.23 holds the router in float32 and has no such copy)")
