@@ -10,7 +10,9 @@ TP 2 and EP 2, and every linear weight of the fp8 one (DeepSeek-V3, served as Ki
 whole [8, 8] blocks on both sides' shards.
 
 The weights are seeded normals (linear ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2), router bias and
-attention biases ~ N(0, 0.1^2)) so that logits are far from uniform and routing far from ties.
+attention biases ~ N(0, 0.1^2)) so that logits are far from uniform and routing far from ties. The
+DSA indexer's ``wk`` and ``weights_proj`` hold bfloat16 values (in the float32 file): sglang, and so
+the engine, store them in bfloat16 whatever ``--dtype`` says (``Indexer``'s ``params_dtype``).
 
 One difference of transformers from sglang, the engine and Megatron is undone in its reference
 model: transformers builds the MLA latent norms (``q_a_layernorm``, ``kv_a_layernorm``) with eps
@@ -118,6 +120,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 t.copy_(0.1 * torch.randn(t.shape, generator=gen))
             else:
                 t.copy_(torch.randn(t.shape, generator=gen) / math.sqrt(t.shape[-1]))
+            if ".indexer.wk." in name or ".indexer.weights_proj." in name:
+                t.copy_(t.to(torch.bfloat16))
 
 
 def _latent_norm_eps(model: torch.nn.Module, eps: float) -> None:

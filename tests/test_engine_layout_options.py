@@ -9,6 +9,9 @@ parameters of its layout (names, shapes, dtypes):
   ``64 * 3`` (384 rows, 128 per rank) instead.
 * ``router-model-dtype``: GLM-4.5-Air's router in the model dtype, as sglang 0.5.16 registers it
   (``serve --router-dtype model``; sglang 0.5.23 and the default: float32).
+* ``indexer-apart``: GLM-5's DSA indexer with ``wk`` and ``weights_proj`` apart
+  (``serve --disable-dsa-indexer-fusion``; the default, one ``wk_weights_proj``, is every other
+  engine test's GLM-5).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def _specs() -> dict[str, ModelSpec]:
         "Qwen3-30B-A3B": get_model("Qwen3-30B-A3B", "tiny"),
         "Kimi-K2": get_model("Kimi-K2", "tiny"),
         "GLM-4.5-Air": get_model("GLM-4.5-Air", "tiny"),
+        "GLM-5": get_model("GLM-5", "tiny"),
         # 6 heads, 3 kv heads and a dense FFN of 192 split over 3 ranks; vocab 300 (320 is not a multiple of 3).
         "Qwen3-tp3": qwen3.replace(name="Qwen3-tp3", num_attention_heads=6, num_kv_heads=3, intermediate_size=192),
     }
@@ -45,6 +49,7 @@ CASES: list[tuple[str, str, RolloutParallel]] = [
     ("embed-attn-tp2-dplmhead", "Kimi-K2", RolloutParallel(tp=4, dp=2, ep=4, moe_dense_tp=1, dp_lm_head=True)),
     ("vocab-64x3", "Qwen3-tp3", RolloutParallel(tp=3)),
     ("router-model-dtype", "GLM-4.5-Air", RolloutParallel(tp=1, router_fp32=False)),
+    ("indexer-apart", "GLM-5", RolloutParallel(tp=1, dsa_indexer_fusion=False)),
 ]
 
 
@@ -116,3 +121,5 @@ def test_cases_reach_the_layouts_they_name() -> None:
     assert (shard.padded_vocab, shard.rows, shard.start, shard.stop) == (384, 128, 256, 300)
     dtypes = {t.name: t.dtype for t in engine_layout(specs["GLM-4.5-Air"], CASES[3][2], 0)}
     assert dtypes["model.layers.1.mlp.gate.weight"] == "bfloat16"
+    names = {t.name for t in engine_layout(specs["GLM-5"], CASES[4][2], 0)}
+    assert "model.layers.0.self_attn.indexer.weights_proj.weight" in names

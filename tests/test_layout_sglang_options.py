@@ -9,6 +9,12 @@ Rules checked against the sglang 0.5.23 classes they come from (python/sglang/sr
   torch.get_default_dtype()``; ``models/qwen3_moe.py``'s gate is a ``ReplicatedLinear`` in the
   model dtype. sglang 0.5.16's ``Glm4MoeGate`` holds the model dtype plus a ``_weight_fp32``
   cache filled on the first forward.
+* DSA indexer: ``layers/attention/dsa/dsa_indexer.py`` ``Indexer.__init__``:
+  ``use_dsa_indexer_fusion = _is_cuda and not SGLANG_DISABLE_DSA_INDEXER_FUSION and not
+  is_neox_style`` (``is_neox_style = not config.indexer_rope_interleave``, ``models/deepseek_v2.py``);
+  fused: ``wk_weights_proj = ReplicatedLinear(hidden, head_dim + n_heads, params_dtype=torch.bfloat16)``
+  filled ``[wk; weights_proj]`` (``deepseek_weight_loader._load_fused_indexer_wk``); else ``wk``
+  (quant_config, model dtype) and ``weights_proj`` (``params_dtype=torch.bfloat16``).
 """
 
 from __future__ import annotations
@@ -50,6 +56,57 @@ def test_router_dtype_follows_sglang_0_5_23(model: str, router_fp32: bool, dtype
         assert _gate_dtype(spec, RolloutParallel(tp=2, router_fp32=True)) == "float32"
 
 
+def _indexer(spec: Any, par: RolloutParallel) -> dict[str, Any]:
+    ix = "model.layers.0.self_attn.indexer."
+    return {t.name.removeprefix(ix): t for t in engine_layout(spec, par, 0) if t.name.startswith(ix)}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dsa_indexer_fused_with_the_interleaved_rope(dtype: str):
+    spec = get_model("GLM-5", "tiny").replace(dtype=dtype)  # indexer_rope_interleave: GLM-5's config
+    dim, n, h = spec.index_head_dim, spec.index_n_heads, spec.hidden_size
+    ix = "model.layers.0.self_attn.indexer."
+    got = _indexer(spec, RolloutParallel(tp=2))
+    assert list(got) == ["wq_b.weight", "wk_weights_proj.weight", "k_norm.weight", "k_norm.bias"]
+    fused = got["wk_weights_proj.weight"]
+    assert (fused.shape, fused.dtype) == ((dim + n, h), "bfloat16")
+    assert [(p.global_name, p.global_box, p.local_box) for p in fused.pieces] == [
+        (ix + "wk.weight", ((0, dim), (0, h)), ((0, dim), (0, h))),
+        (ix + "weights_proj.weight", ((0, n), (0, h)), ((dim, dim + n), (0, h))),
+    ]
+    apart = _indexer(spec, RolloutParallel(tp=2, dsa_indexer_fusion=False))
+    assert list(apart) == ["wq_b.weight", "wk.weight", "weights_proj.weight", "k_norm.weight", "k_norm.bias"]
+    assert (apart["wk.weight"].dtype, apart["weights_proj.weight"].dtype) == (dtype, "bfloat16")
+
+
+def test_dsa_indexer_with_halves_rope_is_never_fused():
+    spec = get_model("GLM-5", "tiny").replace(indexer_rope_interleave=False)  # DeepSeek-V3.2's indexer
+    got = _indexer(spec, RolloutParallel(tp=2))
+    assert {"wk.weight", "weights_proj.weight"} <= set(got)
+    assert got["weights_proj.weight"].dtype == "bfloat16"
+    with pytest.raises(ValueError, match="indexer_rope_interleave"):
+        engine_layout(spec, RolloutParallel(tp=2, dsa_indexer_fusion=True), 0)
+
+
+def test_reference_reads_the_indexer_weights_as_the_engine_stores_them():
+    """A float32 run's logprob reference rounds what the engine holds in bfloat16, nothing else."""
+    import torch
+
+    from weightsync.launch.validate import as_engine_holds
+
+    spec = get_model("GLM-5", "tiny").replace(dtype="float32")
+    values = {n: torch.randn(2, 3, dtype=torch.float32) for n in ("w", "x")}
+    ix = "model.layers.0.self_attn.indexer."
+    read = {ix + "weights_proj.weight": values["w"], ix + "wq_b.weight": values["x"], ix + "wk.weight": values["x"]}
+    for par, rounded in ((RolloutParallel(), {"weights_proj", "wk"}),
+                         (RolloutParallel(dsa_indexer_fusion=False), {"weights_proj"})):
+        held = as_engine_holds(spec, read.__getitem__, par)
+        for name in ("weights_proj", "wk", "wq_b"):
+            t = read[ix + name + ".weight"]
+            want = t.to(torch.bfloat16).float() if name in rounded else t
+            assert torch.equal(held(ix + name + ".weight"), want), (par, name)
+
+
 def test_router_fp32_is_read_from_config_json():
     spec = get_model("GLM-5", "tiny").replace(router_fp32=True)
     cfg = hf_config_dict(spec)
@@ -64,6 +121,8 @@ def test_router_fp32_is_read_from_config_json():
     pytest.param("GLM-4.7-Flash", RolloutParallel(tp=2), id="glm-lite-rule"),
     pytest.param("Kimi-K2", RolloutParallel(tp=2, ep=2, router_fp32=True), id="kimi-router-fp32"),
     pytest.param("Qwen3-30B-A3B", RolloutParallel(tp=2), id="qwen3-moe"),
+    pytest.param("GLM-5", RolloutParallel(tp=2), id="glm5-indexer-fused"),
+    pytest.param("GLM-5", RolloutParallel(tp=2, dsa_indexer_fusion=False), id="glm5-indexer-apart"),
 ])
 def test_options_are_read_back_from_a_published_table(model: str, par: RolloutParallel):
     """What an engine of ``par`` publishes (``{name: [ptr, numel, element_size]}``) gives back its options."""

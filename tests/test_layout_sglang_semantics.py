@@ -213,10 +213,10 @@ def test_glm5_layer_names_shapes_and_dtypes():
         "self_attn.w_kc": ((2, 16, 32), bf, True),
         "self_attn.w_vc": ((2, 32, 32), bf, True),
         "self_attn.indexer.wq_b.weight": ((4 * 16, 48), bf, False),
-        "self_attn.indexer.wk.weight": ((16, h), bf, False),
+        # the interleaved indexer rope (GLM-5): wk and weights_proj fused, bf16 (dsa_indexer.Indexer)
+        "self_attn.indexer.wk_weights_proj.weight": ((16 + 4, h), bf, False),
         "self_attn.indexer.k_norm.weight": ((16,), f32, False),
         "self_attn.indexer.k_norm.bias": ((16,), f32, False),
-        "self_attn.indexer.weights_proj.weight": ((4, h), bf, False),
         "post_attention_layernorm.weight": ((h,), bf, False),
         "mlp.gate.weight": ((8, h), bf, False),
         "mlp.gate.e_score_correction_bias": ((8,), f32, False),

@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of the MoE routers' mlp.gate.weight: float32, or the model's (as sglang 0.5.16 "
                         "registers GLM routers); default: sglang 0.5.23's rule (float32 for GLM-4.5 and GLM-4.7-Flash, "
                         "config.json router_fp32 for DeepSeek-V3 models)")
+    parser.add_argument("--disable-dsa-indexer-fusion", action="store_true",
+                        help="keep the DSA indexer's wk and weights_proj apart (sglang's "
+                        "SGLANG_DISABLE_DSA_INDEXER_FUSION); default: one wk_weights_proj with the interleaved indexer "
+                        "rope, as sglang 0.5.23 on CUDA")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks compute")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port")
@@ -112,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         moe_dense_tp_size=args.moe_dense_tp_size,
         enable_dp_lm_head=args.enable_dp_lm_head,
         router_fp32=None if args.router_dtype is None else args.router_dtype == "float32",
+        dsa_indexer_fusion=False if args.disable_dsa_indexer_fusion else None,
         device=args.device,
         host=args.host,
         port=args.port,

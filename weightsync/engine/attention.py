@@ -114,6 +114,8 @@ def mla_attention(
     positions: torch.Tensor,
     cache: dict[str, torch.Tensor],
     num_heads: int,
+    *,
+    fused_indexer: bool = False,
 ) -> torch.Tensor:
     """One MLA layer (absorbed form, latent cache) for this rank's heads.
 
@@ -125,6 +127,7 @@ def mla_attention(
         positions: ``[B, S]``.
         cache: this layer's ``{"latent": [B, T, c], "k_pe": [B, T, r]}`` (+ ``"index_k"`` for DSA).
         num_heads: local heads.
+        fused_indexer: the DSA indexer's ``wk`` and ``weights_proj`` are one ``wk_weights_proj``.
 
     Returns:
         Partial ``o_proj`` output ``[B, S, H]``.
@@ -155,7 +158,8 @@ def mla_attention(
     scores = scores.float() * mla_softmax_scale(spec)
     allowed = causal_mask(positions, t)
     if spec.has_indexer:
-        allowed = allowed & dsa_select(spec, w, a + "indexer.", x, q_lat, positions, cache, allowed)
+        allowed = allowed & dsa_select(spec, w, a + "indexer.", x, q_lat, positions, cache, allowed,
+                                       fused=fused_indexer)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(x.dtype)
     out_lat = torch.einsum("bhst,btc->bshc", probs, lat_all)
@@ -172,6 +176,8 @@ def dsa_select(
     positions: torch.Tensor,
     cache: dict[str, torch.Tensor],
     allowed: torch.Tensor,
+    *,
+    fused: bool = False,
 ) -> torch.Tensor:
     """The DSA indexer's key selection ``[B, S, T]`` (True = among the query's top-k keys).
 
@@ -184,6 +190,7 @@ def dsa_select(
         positions: ``[B, S]``.
         cache: holds ``"index_k" [B, T, index_head_dim]``, written at ``positions``.
         allowed: the causal mask ``[B, S, T]``.
+        fused: ``wk`` and ``weights_proj`` are the rows of one ``wk_weights_proj`` (sglang's fusion).
 
     Returns:
         Bool selection mask.
@@ -193,11 +200,15 @@ def dsa_select(
     cos, sin = rope_cos_sin(positions, rope, spec.rope_theta, spec.rope_scaling)
     pairs = spec.indexer_rope_interleave
     q = apply_rope(_linear(q_lat, w(ix + "wq_b.weight")).view(bsz, s, n, dim), cos, sin, pairs)
-    k = layer_norm(_linear(x, w(ix + "wk.weight")), w(ix + "k_norm.weight"), w(ix + "k_norm.bias"), INDEXER_NORM_EPS)
+    if fused:
+        k, head_w = _linear(x, w(ix + "wk_weights_proj.weight")).split([dim, n], dim=-1)
+    else:
+        k, head_w = _linear(x, w(ix + "wk.weight")), _linear(x, w(ix + "weights_proj.weight"))
+    k = layer_norm(k, w(ix + "k_norm.weight"), w(ix + "k_norm.bias"), INDEXER_NORM_EPS)
     k = apply_rope(k[:, :, None, :], cos, sin, pairs)[:, :, 0, :]
     _write(cache["index_k"], positions, k)
     t = allowed.shape[-1]
-    head_w = _linear(x, w(ix + "weights_proj.weight")).float() * n**-0.5
+    head_w = head_w.float() * n**-0.5
     logits = torch.einsum("bshd,btd->bsht", q.float(), cache["index_k"][:, :t].float()).relu()
     score = (logits * head_w[..., None]).sum(dim=2) * dim**-0.5
     score = score.masked_fill(~allowed, float("-inf"))

@@ -68,7 +68,7 @@ def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
     spec = model_spec(cfg.model, cfg.scale, checkpoint=cfg.checkpoint, dtype=cfg.dtype)
     par = RolloutParallel(
         tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, moe_dense_tp=cfg.moe_dense_tp_size, dp_lm_head=cfg.enable_dp_lm_head,
-        router_fp32=cfg.router_fp32,
+        router_fp32=cfg.router_fp32, dsa_indexer_fusion=cfg.dsa_indexer_fusion,
     )
     check_engine_parallel(spec, par)
     if cfg.device == "cuda" and torch.cuda.device_count() < par.tp:

@@ -43,6 +43,9 @@ class ServeConfig:
     """Layout option ``router_fp32`` (:mod:`weightsync.layout.sglang_options`): the MoE routers in
     float32 (True) or the model dtype (False, as sglang 0.5.16 registers GLM routers); None: sglang
     0.5.23's rule for the model."""
+    dsa_indexer_fusion: bool | None = None
+    """Layout option ``dsa_indexer_fusion``: False keeps the DSA indexer's ``wk`` and ``weights_proj``
+    apart (sglang's ``SGLANG_DISABLE_DSA_INDEXER_FUSION``); None: sglang 0.5.23's rule."""
     device: str = "cpu"
     """``cpu`` or ``cuda`` (rank r uses ``cuda:r``)."""
     host: str = "127.0.0.1"
@@ -135,4 +138,6 @@ def option_flags(par: RolloutParallel) -> list[str]:
     flags: list[str] = []
     if par.router_fp32 is not None:
         flags += ["--router-dtype", "float32" if par.router_fp32 else "model"]
+    if par.dsa_indexer_fusion is False:
+        flags.append("--disable-dsa-indexer-fusion")
     return flags

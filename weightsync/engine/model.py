@@ -29,6 +29,7 @@ from weightsync.engine.attention import gqa_attention, mla_attention, new_layer_
 from weightsync.engine.layers import rms_norm, route, swiglu
 from weightsync.engine.tp import EngineGroups, Group
 from weightsync.layout.sglang import dense_mlp_split, vocab_shard
+from weightsync.layout.sglang_options import layout_options
 from weightsync.models.spec import ModelSpec
 from weightsync.quant.fp8 import dequantize_block_fp8
 from weightsync.sync.params import ParamStore
@@ -45,6 +46,7 @@ class Model:
         self.groups = groups
         self.dtype = compute_dtype
         self.device = store.device
+        self.options = layout_options(spec, groups.par)
         self._embed = vocab_shard(spec, groups.par, groups.rank, lm_head=False)
         self._head = (
             self._embed if spec.tie_word_embeddings else vocab_shard(spec, groups.par, groups.rank, lm_head=True)
@@ -108,7 +110,8 @@ class Model:
             p = f"model.layers.{layer}."
             h = rms_norm(x, self.w(p + "input_layernorm.weight"), spec.rms_norm_eps)
             if spec.is_mla:
-                attn = mla_attention(spec, self.w, p + "self_attn.", h, positions, cache[layer], self.num_heads)
+                attn = mla_attention(spec, self.w, p + "self_attn.", h, positions, cache[layer], self.num_heads,
+                                     fused_indexer=self.options.dsa_indexer_fusion)
             else:
                 attn = gqa_attention(
                     spec, self.w, p + "self_attn.", h, positions, cache[layer], self.num_heads, self.num_kv_heads

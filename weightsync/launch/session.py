@@ -428,7 +428,7 @@ class RunSession:
         body = {"text": list(PARITY_PROMPTS), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_logprob": True, "logprob_start_len": 0}
         outs = [f.result() for f in [self.procs.submit(c.generate, body) for c in self._gen_clients]]
-        held = as_engine_holds(self.spec, read)
+        held = as_engine_holds(self.spec, read, self.cfg.rollout)
         want = [reference_prompt_logprobs(self.spec, held, self.hf_dir, prompt) for prompt in PARITY_PROMPTS]
         worst = 0.0
         for out in outs:

@@ -71,9 +71,11 @@ def expected_checksums(spec: ModelSpec, rollout: RolloutParallel, rank: int, rea
         store.close()
 
 
-def as_engine_holds(spec: ModelSpec, read: ReadGlobal) -> ReadGlobal:
+def as_engine_holds(spec: ModelSpec, read: ReadGlobal, rollout: RolloutParallel | None = None) -> ReadGlobal:
     """The trainer's tensors as the engine computes with them: weights it stores in fp8 come back
-    block-quantized and dequantized, the others unchanged.
+    block-quantized and dequantized, weights it stores in a narrower float dtype than the
+    trainer's (the DSA indexer's bfloat16 ``weights_proj`` in a float32 run) rounded through it,
+    the others unchanged.
 
     The reference forward of the logprob check reads these. A synthetic checkpoint is fp8-exact,
     so before the first train step this changes nothing; after one, it is the difference between
@@ -81,23 +83,41 @@ def as_engine_holds(spec: ModelSpec, read: ReadGlobal) -> ReadGlobal:
     far above the tolerance). Dequantized to float32 (the engine's CPU compute dtype), except MLA
     ``kv_b_proj``: the engine computes only with ``w_kc``/``w_vc`` derived from it, which it
     stores in the model's dtype.
+
+    Args:
+        spec: the model.
+        read: the trainer's global tensors.
+        rollout: the engines' layout (its options decide the stored dtypes; default: sglang's rules).
     """
     from weightsync.quant.fp8 import dequantize_block_fp8, quantize_block_fp8
 
     block = spec.fp8_block
     quantized = {g.quant_of for g in global_tensors(spec).values() if g.quant_of is not None}
-    if block is None or not quantized:
+    narrower = _narrower_storage(spec, rollout or RolloutParallel())
+    if (block is None or not quantized) and not narrower:
         return read
 
     def view(name: str) -> torch.Tensor:
         t = read(name)
-        if name not in quantized:
+        if name in narrower:
+            return t.to(narrower[name]).to(t.dtype)
+        if name not in quantized or block is None:
             return t
         q, scale_inv = quantize_block_fp8(t, block)
         dtype = getattr(torch, spec.dtype) if name.endswith(".kv_b_proj.weight") else torch.float32
         return dequantize_block_fp8(q, scale_inv, block, dtype)
 
     return view
+
+
+def _narrower_storage(spec: ModelSpec, rollout: RolloutParallel) -> dict[str, torch.dtype]:
+    """Global tensors (of the trainer's float dtype) that the engine stores in a float dtype of fewer bits."""
+    bits = {"float32": 32, "bfloat16": 16, "float16": 16}
+    out: dict[str, torch.dtype] = {}
+    for t in engine_layout(spec, rollout, 0):
+        if bits.get(t.dtype, 32) < bits.get(spec.dtype, 0):
+            out.update({p.global_name: getattr(torch, t.dtype) for p in t.pieces})
+    return out
 
 
 def _stored_globals(store: Any) -> list[str]:

@@ -16,7 +16,7 @@ Model classes followed (sgl-project/sglang, python/sglang/srt/):
   modules), ``models/deepseek_v2.py`` (DeepseekV2/V3ForCausalLM: Kimi-K2);
 * layers: ``layers/linear.py``, ``layers/vocab_parallel_embedding.py``,
   ``layers/moe/fused_moe_triton/layer.py``, ``layers/quantization/fp8.py``,
-  ``layers/attention/nsa/nsa_indexer.py``, ``layers/dp_attention.py``,
+  ``layers/attention/dsa/dsa_indexer.py``, ``layers/dp_attention.py``,
   ``layers/communicator.py``, ``distributed/parallel_state.py``.
 
 Choices where sglang has several paths (documented once here):

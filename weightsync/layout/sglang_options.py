@@ -13,6 +13,13 @@ publishes, :func:`options_from_table`, or an engine's own flags) overrides the r
   ``router_fp32``; Qwen3-MoE's ``ReplicatedLinear`` gate never. sglang 0.5.16 keeps the GLM
   routers in the model dtype and caches a float32 copy on the first forward that no update ever
   refreshes (:func:`stale_router_warning`).
+* ``dsa_indexer_fusion`` -- the DSA indexer's ``wk`` and ``weights_proj`` as one ``ReplicatedLinear``
+  ``wk_weights_proj`` in bfloat16, rows ``[wk; weights_proj]``
+  (``layers/attention/dsa/dsa_indexer.py`` ``Indexer.__init__``: ``use_dsa_indexer_fusion = _is_cuda
+  and not SGLANG_DISABLE_DSA_INDEXER_FUSION and not is_neox_style``, ``is_neox_style = not
+  config.indexer_rope_interleave``, ``models/deepseek_v2.py``; filled by
+  ``deepseek_weight_loader._load_fused_indexer_wk``). Unfused, ``weights_proj`` is bfloat16 all
+  the same (``params_dtype=torch.bfloat16``) and ``wk`` the model dtype.
 
 Typical usage::
 
@@ -38,6 +45,8 @@ class LayoutOptions:
 
     router_fp32: bool
     """``mlp.gate.weight`` in float32 (else the model dtype)."""
+    dsa_indexer_fusion: bool
+    """``indexer.wk_weights_proj.weight`` instead of ``indexer.wk.weight`` and ``indexer.weights_proj.weight``."""
 
 
 def sglang_router_fp32(spec: ModelSpec) -> bool:
@@ -57,9 +66,16 @@ def layout_options(spec: ModelSpec, par: RolloutParallel) -> LayoutOptions:
 
     Returns:
         The resolved :class:`LayoutOptions`.
+
+    Raises:
+        ValueError: an option sglang cannot have for this model (named).
     """
     router = par.router_fp32 if par.router_fp32 is not None else sglang_router_fp32(spec)
-    return LayoutOptions(router_fp32=bool(spec.is_moe and router))
+    fused = par.dsa_indexer_fusion if par.dsa_indexer_fusion is not None else spec.indexer_rope_interleave
+    if fused and spec.has_indexer and not spec.indexer_rope_interleave:
+        raise ValueError(f"{spec.name}: dsa_indexer_fusion needs the interleaved indexer rope (sglang fuses wk and "
+                         "weights_proj only when config.json sets indexer_rope_interleave)")
+    return LayoutOptions(router_fp32=bool(spec.is_moe and router), dsa_indexer_fusion=bool(spec.has_indexer and fused))
 
 
 def _first_moe_layer(spec: ModelSpec) -> int | None:
@@ -87,6 +103,12 @@ def options_from_table(spec: ModelSpec, par: RolloutParallel, weights: Mapping[s
         gate = weights.get(f"model.layers.{layer}.mlp.gate.weight")
         if gate is not None:
             changes["router_fp32"] = int(gate[2]) == 4
+    if spec.has_indexer:
+        ix = "model.layers.0.self_attn.indexer."
+        if ix + "wk_weights_proj.weight" in weights:
+            changes["dsa_indexer_fusion"] = True
+        elif ix + "wk.weight" in weights:
+            changes["dsa_indexer_fusion"] = False
     return replace(par, **changes) if changes else par
 
 

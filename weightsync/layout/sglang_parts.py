@@ -23,8 +23,9 @@ Where each layout comes from (sgl-project/sglang, python/sglang/srt/layers/):
 * ``models/deepseek_v2.py``: ``fused_qkv_a_proj_with_mqa`` = cat(q_a_proj, kv_a_proj_with_mqa)
   rows, scales concatenated the same way (``load_weights``); ``w_kc[h_l, qk_nope, kv_lora]`` and
   ``w_vc[h_l, kv_lora, v_head]`` split from ``kv_b_proj`` (``post_load_weights``).
-* ``attention/nsa/nsa_indexer.py`` Indexer: replicated ``wq_b``, ``wk``, ``weights_proj`` and a
-  ``V32LayerNorm`` ``k_norm`` whose weight and bias are float32.
+* ``attention/dsa/dsa_indexer.py`` Indexer: replicated ``wq_b``, ``wk`` and ``weights_proj``
+  (bfloat16), or their fusion ``wk_weights_proj`` (option ``dsa_indexer_fusion``), and a
+  ``LayerNorm`` ``k_norm`` whose weight and bias are float32.
 
 Legend: ``H`` hidden, ``I`` intermediate, ``E`` experts, ``*_l`` local (per-rank) size,
 ``s`` attention-TP rank, ``t`` moe-TP rank.
@@ -44,6 +45,8 @@ from weightsync.models.spec import Family, ModelSpec
 
 FP8 = "float8_e4m3fn"
 SCALE_DTYPE = "float32"
+INDEXER_PROJ_DTYPE = "bfloat16"
+"""The DSA indexer's ``weights_proj`` / ``wk_weights_proj`` (``ReplicatedLinear(params_dtype=torch.bfloat16)``)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -240,14 +243,21 @@ def _mla_attention(b: LayerBuilder, c: EngineCoords, a: str) -> None:
 
 
 def _indexer(b: LayerBuilder, ix: str) -> None:
+    """The DSA indexer (``Indexer.__init__``), in sglang's parameter order; ``weights_proj`` (and the
+    fused ``wk_weights_proj``) are bfloat16 whatever the model dtype (``params_dtype=torch.bfloat16``)."""
     spec = b.spec
     h, n, dim = spec.hidden_size, spec.index_n_heads, spec.index_head_dim
     q_in = spec.q_lora_rank if spec.q_lora_rank is not None else h
     b.replicated(ix + "wq_b.weight", (n * dim, q_in))
-    b.replicated(ix + "wk.weight", (dim, h))
+    if b.options.dsa_indexer_fusion:
+        # deepseek_weight_loader._load_fused_indexer_wk: wk fills the top rows, weights_proj the bottom ones.
+        segs = [row_seg(ix + "wk.weight", (dim, h), 0, dim, 0), row_seg(ix + "weights_proj.weight", (n, h), 0, n, dim)]
+        b.emit(ix + "wk_weights_proj.weight", (dim + n, h), segs, dtype=INDEXER_PROJ_DTYPE)
+    else:
+        b.replicated(ix + "wk.weight", (dim, h))
+        b.replicated(ix + "weights_proj.weight", (n, h), dtype=INDEXER_PROJ_DTYPE)
     b.replicated(ix + "k_norm.weight", (dim,), dtype="float32")
     b.replicated(ix + "k_norm.bias", (dim,), dtype="float32")
-    b.replicated(ix + "weights_proj.weight", (n, h))
 
 
 def dense_mlp_split(spec: ModelSpec, par: RolloutParallel, c: EngineCoords) -> tuple[int, int]:

@@ -79,6 +79,10 @@ class RolloutParallel:
     """Layout option: the MoE routers' ``mlp.gate.weight`` in float32 (True) or in the model dtype
     (False, as sglang 0.5.16 keeps GLM routers); None: sglang 0.5.23's rule for the model
     (:func:`weightsync.layout.sglang_options.layout_options`)."""
+    dsa_indexer_fusion: bool | None = None
+    """Layout option: the DSA indexer's ``wk`` and ``weights_proj`` as one bfloat16
+    ``wk_weights_proj`` (True), or apart (False, sglang's ``SGLANG_DISABLE_DSA_INDEXER_FUSION``);
+    None: sglang 0.5.23's rule (fused with the interleaved indexer rope, on CUDA)."""
 
     def __post_init__(self) -> None:
         for k in ("tp", "dp", "ep", "num_engines"):
