@@ -168,8 +168,8 @@ def simulate(inputs: PlanInputs, plan: Plan, *, seed: int = 0) -> SimulationRepo
         for t in layout:
             report.tensors_compared += 1
             got, exp = dest[d][t.name], want[t.name]
-            if not torch.equal(got.view(torch.uint8), exp.view(torch.uint8)):
-                diff = int((got.view(torch.uint8) != exp.view(torch.uint8)).sum())
+            if not torch.equal(got.reshape(-1).view(torch.uint8), exp.reshape(-1).view(torch.uint8)):
+                diff = int((got.reshape(-1).view(torch.uint8) != exp.reshape(-1).view(torch.uint8)).sum())
                 report.mismatches.append(f"rollout rank {d} {t.name}: {diff} bytes differ")
     return report
 

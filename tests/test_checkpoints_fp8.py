@@ -36,7 +36,7 @@ def _engine_state(path: Path) -> dict[str, torch.Tensor]:
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    bad = [n for n in a if not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))]
+    bad = [n for n in a if not torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))]
     assert not bad, bad[:5]
 
 

@@ -90,7 +90,7 @@ def test_checksums_of_gpu_parameters_through_the_pinned_buffer_equal_one_shot_xx
     monkeypatch.setattr(checker_mod, "HASH_CHUNK", 4096)  # several chunks per tensor, a short last one
     store = ParamStore(engine_layout(get_model("Qwen3-4B", "tiny"), RolloutParallel(), 0), torch.device("cuda"))
     for _, t in store.items():
-        t.view(torch.uint8).random_(0, 256)
+        t.reshape(-1).view(torch.uint8).random_(0, 256)
     got = checker_mod.WeightChecker(store).checksum()["checksums"]
     want = {n: xxhash.xxh64(t.cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest() for n, t in store.items()}
     assert got == want

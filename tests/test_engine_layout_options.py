@@ -123,3 +123,32 @@ def test_cases_reach_the_layouts_they_name() -> None:
     assert dtypes["model.layers.1.mlp.gate.weight"] == "bfloat16"
     names = {t.name for t in engine_layout(specs["GLM-5"], CASES[4][2], 0)}
     assert "model.layers.0.self_attn.indexer.weights_proj.weight" in names
+
+
+def test_fp8_kv_scales_are_published_constant_and_not_checksummed() -> None:
+    """Kimi-K2's ``attn_mqa`` / ``attn_mha`` ``k_scale`` and ``v_scale``: float32 scalars at 1.0 (what sglang
+    sets after a load without them), published in the transfer table as sglang's ``named_parameters``
+    are, left out of checksums (sglang's ``_skip_weight_check``) and fingerprints, and untouched by a
+    reset and by the end of a session (which re-zeroes padding)."""
+    from weightsync.engine.engine import Engine
+    from weightsync.engine.tp import EngineGroups
+
+    spec = get_model("Kimi-K2", "tiny")
+    engine = Engine.build(spec, EngineGroups.single(), device=torch.device("cpu"))
+    try:
+        engine.load_dummy(SEED)
+        names = [t.name for t in engine_layout(spec, RolloutParallel(), 0) if t.constant is not None]
+        assert len(names) == 4 * spec.num_layers
+        _, weights, _ = engine.transfer_info()
+        engine.reset_tensors(seed=3, skip=())
+        engine.end_update()
+        sums = engine.checker.checksum()["checksums"]
+        prints = engine.checker.fingerprint(seed=5)["fingerprints"]
+        for n in names:
+            assert weights[n][1:] == [1, 4], n
+            assert engine.store[n].shape == ()
+            assert float(engine.store[n]) == 1.0, n
+            assert n not in sums
+            assert n not in prints
+    finally:
+        engine.close()

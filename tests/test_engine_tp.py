@@ -31,6 +31,7 @@ from tests.engine_helpers import (
     write_tiny_checkpoint,
 )
 from weightsync.engine.reference import Reference
+from weightsync.layout.sglang import engine_layout
 from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.models.parallel import RolloutParallel
 from weightsync.transport.group import new_weight_update_group
@@ -187,8 +188,8 @@ def test_two_rank_engine_matches_reference(
 def test_rank0_drives_checker_and_broadcast_update(two_ranks: tuple[dict[str, Any], dict[str, Reference]]) -> None:
     """reset_tensors makes every written tensor differ on both ranks; a full broadcast of the
     checkpoint (bf16 weights quantized on arrival, scales, derived w_kc/w_vc recomputed) restores
-    every byte; checksums come from both ranks; a bad checkpoint path fails on every rank as a
-    user error."""
+    every byte; checksums come from both ranks (every parameter but the constant fp8 k/v scales); a
+    bad checkpoint path fails on every rank as a user error."""
     log = two_ranks[0]["driver"]
     for rank_result in log["after_reset"]:
         assert not rank_result["equal"]
@@ -197,7 +198,11 @@ def test_rank0_drives_checker_and_broadcast_update(two_ranks: tuple[dict[str, An
         assert any(n.endswith("w13_weight") for n in names)
     assert all(r["equal"] and r["mismatches"] == [] for r in log["after_update"]), log["after_update"]
     assert [u["num_tensors"] for u in log["update"]] == [log["num_sent"]] * 2
-    assert [len(c["checksums"]) for c in log["checksums"]] == [r["num_tensors"] for r in log["after_update"]]
+    # every parameter is checksummed but the constant fp8 k/v scales (sglang skips them too)
+    constants = [sum(t.constant is not None for t in engine_layout(tiny(DRIVER_MODEL), DRIVER_PAR, r)) for r in (0, 1)]
+    assert constants == [4 * tiny(DRIVER_MODEL).num_layers] * 2
+    assert [len(c["checksums"]) + k for c, k in zip(log["checksums"], constants, strict=True)] == [
+        r["num_tensors"] for r in log["after_update"]]
     user_error, message, failed = log["bad_load"]
     assert user_error
     assert failed == [0, 1]

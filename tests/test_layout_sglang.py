@@ -6,7 +6,7 @@ Contracts tested, for every (model, config):
    tensor, and covers it uniformly (each element exactly R times, R the tensor's replication:
    within one replica group exactly once).
 2. Local consistency: the pieces of a local tensor do not overlap and cover it except the
-   vocab padding rows of ``embed_tokens`` / ``lm_head``; derived tensors have no pieces.
+   vocab padding rows of ``embed_tokens`` / ``lm_head``; derived and constant tensors have no pieces.
 3. Data round trip: random global tensors -> each rank's shards (by the pieces) -> reassembled
    from all ranks -> equal to the originals, and every replica holds the same values.
 """
@@ -123,8 +123,8 @@ def check_local_cover(layouts: list[list[LocalTensor]]) -> None:
         names = [t.name for t in tensors]
         assert len(names) == len(set(names)), f"rank {rank}: duplicate parameter names"
         for t in tensors:
-            if t.derived:
-                assert not t.pieces, f"{t.name}: a derived tensor has pieces"
+            if t.derived or t.constant is not None:
+                assert not t.pieces, f"{t.name}: a derived or constant tensor has pieces"
                 continue
             c = np.zeros(t.shape, dtype=np.int32)
             for p in t.pieces:

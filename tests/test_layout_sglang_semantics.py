@@ -121,6 +121,23 @@ def test_fp8_scale_shapes_match_sglang_fp8_methods():
     assert ts[m + "gate.e_score_correction_bias"].dtype == "float32"
 
 
+@pytest.mark.parametrize("model", ["Kimi-K2", "GLM-4.7-Flash", "Qwen3-30B-A3B"])
+def test_fp8_attention_kv_scales(model: str):
+    """quantization/fp8.py ``Fp8Config.get_quant_method``: a RadixAttention built with the quant config
+    gets ``Fp8KVCacheMethod`` (quantization/kv_cache.py), whose ``k_scale`` / ``v_scale`` are float32
+    scalars, 1.0 after load; DeepseekV2AttentionMLA builds ``attn_mqa`` and ``attn_mha`` with it, the GQA
+    classes (qwen3.py, qwen3_moe.py, glm4_moe.py) without. Only the fp8 model (Kimi-K2) has them."""
+    spec = get_model(model, "tiny")
+    scales = [t for t in engine_layout(spec, RolloutParallel(tp=2, ep=2), 1) if t.name.endswith(("k_scale", "v_scale"))]
+    if spec.fp8_block is None:
+        assert scales == []
+        return
+    assert [t.name for t in scales[:4]] == [f"model.layers.0.self_attn.{a}.{s}" for a in ("attn_mqa", "attn_mha")
+                                            for s in ("k_scale", "v_scale")]
+    assert len(scales) == 4 * spec.num_layers
+    assert {(t.shape, t.dtype, t.constant, t.pieces, t.derived) for t in scales} == {((), "float32", 1.0, (), False)}
+
+
 @pytest.mark.parametrize(("par", "embed_split", "head_split"), [
     pytest.param(RolloutParallel(tp=4), 4, 4, id="tp4"),
     pytest.param(RolloutParallel(tp=4, dp=2), 2, 4, id="dp-attention-splits-embed-over-attn-tp"),

@@ -205,8 +205,11 @@ class WeightChecker:
 
     def checksum(self, skip: Sequence[str] = ()) -> dict[str, Any]:
         """xxh64 of each parameter's bytes, one digest over all (name-sorted), and this rank's
-        ``parallelism_info`` (sglang's ``ChecksumInfo`` shape: a list, one entry per role)."""
-        sums = {name: self._xxh64(t) for name, t in self.store.items() if not _skipped(name, skip)}
+        ``parallelism_info`` (sglang's ``ChecksumInfo`` shape: a list, one entry per role).
+        Constant parameters (fp8 attention ``k_scale`` / ``v_scale``) are not listed: sglang marks
+        them ``_skip_weight_check`` (``layers/quantization/kv_cache.py``)."""
+        sums = {name: self._xxh64(t) for name, t in self.store.items()
+                if not _skipped(name, skip) and self.store.meta[name].constant is None}
         overall = hashlib.sha256()
         for name in sorted(sums):
             overall.update(name.encode())
@@ -219,7 +222,8 @@ class WeightChecker:
 
     def fingerprint(self, seed: int, skip: Sequence[str] = (), *, store: ParamStore | None = None) -> dict[str, Any]:
         """The fingerprint of every non-derived parameter of ``store`` (default: the checker's own),
-        hashed on the parameters' device in one batch.
+        hashed on the parameters' device in one batch; constant ones (fp8 k/v scales) are left out,
+        as from checksums.
 
         Args:
             seed: the fingerprint's seed (in ``[0, 2^63)``), the one the trainer hashed with.
@@ -234,7 +238,8 @@ class WeightChecker:
         """
         check_seed(seed)
         store = self.store if store is None else store
-        names = tuple(n for n, _ in store.items() if not store.meta[n].derived and not _skipped(n, skip))
+        names = tuple(n for n, _ in store.items()
+                      if not store.meta[n].derived and store.meta[n].constant is None and not _skipped(n, skip))
         cached = self._batches.get(store)
         if cached is None or cached[0] != names:
             cached = (names, whole_tensors([store[n] for n in names]))

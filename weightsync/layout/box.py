@@ -4,7 +4,7 @@ A *box* is an N-D index region, one ``(start, stop)`` pair per dimension. A loca
 either side is a list of :class:`Piece` records, each saying "this box of my local tensor holds
 that box of global tensor G". Regions of a local tensor covered by no piece are padding
 (never written by a transfer); a tensor marked ``derived`` is recomputed by its owner after an
-update and never written either.
+update and never written either, and a ``constant`` one keeps the value it is allocated with.
 
 Legend: ``g`` = global coordinates, ``l`` = local coordinates.
 """
@@ -104,6 +104,10 @@ class LocalTensor:
     pieces: tuple[Piece, ...]
     derived: bool = False
     """Recomputed by the owner after an update (MLA w_kc/w_vc); never written by a plan."""
+    constant: float | None = None
+    """A parameter no update writes, which the engine holds at this value from allocation on
+    (sglang's fp8 attention ``k_scale`` / ``v_scale``: 1.0 when the checkpoint has none); it has
+    no pieces, is published with the parameters and left out of checksums, as sglang does."""
 
     @property
     def numel(self) -> int:

@@ -20,6 +20,10 @@ Where each layout comes from (sgl-project/sglang, python/sglang/srt/layers/):
   ``weight_scale_inv[ceil(out_l / bn), ceil(in_l / bk)]``; Fp8MoEMethod holds
   ``w13_weight_scale_inv[E_l, 2 * ceil(I_l / bn), ceil(H / bk)]`` and
   ``w2_weight_scale_inv[E_l, ceil(H / bn), ceil(I_l / bk)]``. Splits must keep whole blocks.
+* ``quantization/kv_cache.py``: with fp8 (``Fp8Config.get_quant_method`` of a ``RadixAttention``)
+  MLA's ``attn_mqa`` and ``attn_mha`` each hold float32 scalars ``k_scale`` and ``v_scale``,
+  1.0 after load (constant parameters here; GQA families build their attention without the
+  quant config, so without them).
 * ``models/deepseek_v2.py``: ``fused_qkv_a_proj_with_mqa`` = cat(q_a_proj, kv_a_proj_with_mqa)
   rows, scales concatenated the same way (``load_weights``); ``w_kc[h_l, qk_nope, kv_lora]`` and
   ``w_vc[h_l, kv_lora, v_head]`` split from ``kv_b_proj`` (``post_load_weights``).
@@ -45,6 +49,9 @@ from weightsync.models.spec import Family, ModelSpec
 
 FP8 = "float8_e4m3fn"
 SCALE_DTYPE = "float32"
+KV_SCALE = 1.0
+"""sglang's ``Fp8KVCacheMethod.process_weights_after_loading`` value of ``k_scale`` / ``v_scale``
+absent from the checkpoint."""
 INDEXER_PROJ_DTYPE = "bfloat16"
 """The DSA indexer's ``weights_proj`` / ``wk_weights_proj`` (``ReplicatedLinear(params_dtype=torch.bfloat16)``)."""
 
@@ -86,6 +93,10 @@ class LayerBuilder:
         """A tensor every rank holds whole, named as its global tensor (default shape ``[H]``)."""
         shape = shape if shape is not None else (self.spec.hidden_size,)
         self.emit(name, shape, [Seg(name, shape, full_box(shape), full_box(shape))], dtype)
+
+    def constant(self, name: str, shape: tuple[int, ...], dtype: str, value: float) -> None:
+        """A parameter the engine holds at ``value`` and no update writes (no pieces)."""
+        self.tensors.append(LocalTensor(name=name, shape=shape, dtype=dtype, pieces=(), constant=value))
 
     def derived(self, name: str, shape: tuple[int, ...]) -> None:
         """A tensor the engine recomputes after an update (no pieces, never written by a plan)."""
@@ -240,6 +251,12 @@ def _mla_attention(b: LayerBuilder, c: EngineCoords, a: str) -> None:
     b.derived(a + "w_vc", (nh_l, kv_lora, v))
     if spec.has_indexer:
         _indexer(b, a + "indexer.")
+    if spec.fp8_block is not None:
+        # Fp8Config gives every RadixAttention an Fp8KVCacheMethod: float32 scalars k_scale / v_scale,
+        # 1.0 after load when the checkpoint has none (Kimi-K2 has none; nothing trains them).
+        for attn in ("attn_mqa", "attn_mha"):
+            for scale in ("k_scale", "v_scale"):
+                b.constant(f"{a}{attn}.{scale}", (), SCALE_DTYPE, KV_SCALE)
 
 
 def _indexer(b: LayerBuilder, ix: str) -> None:

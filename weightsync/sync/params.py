@@ -46,7 +46,7 @@ class ParamStore:
     """All parameters of one engine rank, as views into one arena (see the module docstring)."""
 
     def __init__(self, layout: list[LocalTensor], device: torch.device, arena: ArenaLike | None = None) -> None:
-        """Allocate every tensor of ``layout`` once, zero-filled.
+        """Allocate every tensor of ``layout`` once, zero-filled (a ``constant`` one filled with its value).
 
         Args:
             layout: the rank's local tensors (names unique).
@@ -80,6 +80,8 @@ class ParamStore:
             off = offsets[t.name]
             raw = self._buf[off : off + t.numel * dtype.itemsize]
             self._tensors[t.name] = raw.view(dtype).view(t.shape)
+            if t.constant is not None:
+                self._tensors[t.name].fill_(t.constant)
         self._by_global: dict[str, list[tuple[str, Piece]]] = {}
         for t in layout:
             for p in t.pieces:
@@ -160,8 +162,8 @@ class ParamStore:
 def padding_runs(t: LocalTensor) -> list[tuple[int, int]]:
     """The element runs ``(first, count)`` of ``t`` (row-major) that no piece covers: its padding
     (vocab rows past the vocabulary), written by no plan; none for a derived tensor (the engine
-    computes all of it)."""
-    if t.derived or sum(box_volume(p.local_box) for p in t.pieces) >= t.numel:
+    computes all of it) or a constant one (it keeps its value)."""
+    if t.derived or t.constant is not None or sum(box_volume(p.local_box) for p in t.pieces) >= t.numel:
         return []
     covered = sorted(r for p in t.pieces for r in box_runs(t.shape, p.local_box, 1))
     gaps: list[tuple[int, int]] = []

@@ -12,7 +12,7 @@ element, summed, so that it composes:
 * the slots of all trainer ranks are summed by one all-reduce of a small int64 vector (as 32-bit
   halves, so that no sum overflows), and the driving rank adds the padding (vocab padding rows,
   which the engine re-zeroes at the end of every session) as zeros;
-* every engine rank hashes each of its non-derived parameters where it lives (``/weights_checker``
+* every engine rank hashes each of its non-derived, non-constant parameters where it lives (``/weights_checker``
   ``fingerprint``, with the same seed), and the driving rank names every tensor that differs, per
   engine and rank.
 
@@ -57,9 +57,10 @@ MAX_NAMED = 8
 
 
 def fingerprint_slots(inputs: PlanInputs) -> dict[tuple[int, str], int]:
-    """(rollout rank, parameter) -> slot, for every non-derived parameter of every rollout rank
-    (engine ``e``'s rank ``r`` is rollout rank ``e * tp + r``)."""
-    keys = [(r, t.name) for r in range(inputs.num_dest) for t in inputs.dest_layout(r) if not t.derived]
+    """(rollout rank, parameter) -> slot, for every non-derived, non-constant parameter of every
+    rollout rank (engine ``e``'s rank ``r`` is rollout rank ``e * tp + r``)."""
+    keys = [(r, t.name) for r in range(inputs.num_dest) for t in inputs.dest_layout(r)
+            if not t.derived and t.constant is None]
     return {k: i for i, k in enumerate(keys)}
 
 
