@@ -12,6 +12,10 @@ parameters of its layout (names, shapes, dtypes):
 * ``indexer-apart``: GLM-5's DSA indexer with ``wk`` and ``weights_proj`` apart
   (``serve --disable-dsa-indexer-fusion``; the default, one ``wk_weights_proj``, is every other
   engine test's GLM-5).
+* ``shared-apart`` / ``shared-enforced``: GLM-4.7-Flash's shared expert apart at ep 1
+  (``--disable-shared-experts-fusion``; sglang's default there fuses it, as every other one-rank
+  and tp-2 GLM engine test does), and GLM-5's tiny model (8 routed experts, where sglang does not
+  fuse) fused (``--enforce-shared-experts-fusion``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def _specs() -> dict[str, ModelSpec]:
         "Kimi-K2": get_model("Kimi-K2", "tiny"),
         "GLM-4.5-Air": get_model("GLM-4.5-Air", "tiny"),
         "GLM-5": get_model("GLM-5", "tiny"),
+        "GLM-4.7-Flash": get_model("GLM-4.7-Flash", "tiny"),
         # 6 heads, 3 kv heads and a dense FFN of 192 split over 3 ranks; vocab 300 (320 is not a multiple of 3).
         "Qwen3-tp3": qwen3.replace(name="Qwen3-tp3", num_attention_heads=6, num_kv_heads=3, intermediate_size=192),
     }
@@ -50,6 +55,8 @@ CASES: list[tuple[str, str, RolloutParallel]] = [
     ("vocab-64x3", "Qwen3-tp3", RolloutParallel(tp=3)),
     ("router-model-dtype", "GLM-4.5-Air", RolloutParallel(tp=1, router_fp32=False)),
     ("indexer-apart", "GLM-5", RolloutParallel(tp=1, dsa_indexer_fusion=False)),
+    ("shared-apart", "GLM-4.7-Flash", RolloutParallel(tp=1, shared_experts_fusion=False)),
+    ("shared-enforced", "GLM-5", RolloutParallel(tp=1, shared_experts_fusion=True)),
 ]
 
 
@@ -123,6 +130,10 @@ def test_cases_reach_the_layouts_they_name() -> None:
     assert dtypes["model.layers.1.mlp.gate.weight"] == "bfloat16"
     names = {t.name for t in engine_layout(specs["GLM-5"], CASES[4][2], 0)}
     assert "model.layers.0.self_attn.indexer.weights_proj.weight" in names
+    names = {t.name for t in engine_layout(specs["GLM-4.7-Flash"], CASES[5][2], 0)}
+    assert "model.layers.1.mlp.shared_experts.gate_up_proj.weight" in names
+    shapes = {t.name: t.shape for t in engine_layout(specs["GLM-5"], CASES[6][2], 0)}
+    assert shapes["model.layers.1.mlp.experts.w13_weight"][0] == specs["GLM-5"].num_experts + 1
 
 
 def test_fp8_kv_scales_are_published_constant_and_not_checksummed() -> None:

@@ -15,6 +15,17 @@ Rules checked against the sglang 0.5.23 classes they come from (python/sglang/sr
   fused: ``wk_weights_proj = ReplicatedLinear(hidden, head_dim + n_heads, params_dtype=torch.bfloat16)``
   filled ``[wk; weights_proj]`` (``deepseek_weight_loader._load_fused_indexer_wk``); else ``wk``
   (quant_config, model dtype) and ``weights_proj`` (``params_dtype=torch.bfloat16``).
+* shared-experts fusion: ``layers/moe/utils.py`` ``resolve_shared_experts_config`` asks the model
+  class's ``shared_experts_fusion_disable_reason`` (``Glm4MoeForCausalLM``: CUDA and
+  ``moe_ep_size == 1``; ``Glm4MoeLiteForCausalLM``: its architecture, ``n_shared_experts == 1``,
+  ``moe_ep_size == 1``; ``DeepseekV2ForCausalLM``: ``architectures[0] ==
+  fused_shared_experts_architecture`` (``DeepseekV3ForCausalLM``, ``GlmMoeDsaForCausalLM`` for
+  GLM-5's class; ``DeepseekV32ForCausalLM`` inherits DeepSeek-V3's), ``n_routed_experts`` 256 (384
+  only with Quark), ``n_shared_experts == 1``, ``moe_ep_size == 1``); fused, ``FusedMoE`` holds
+  ``num_experts / ep + 1`` local slots, the shared expert after the routed ones
+  (``_map_global_expert_id_to_local_expert_id``), loaded from ``mlp.shared_experts.*`` renamed to
+  ``mlp.experts.{n_routed_experts}`` (``deepseek_weight_loader``), split by ``moe_tp_rank``.
+* redundant experts and the other ``ServerArgs`` a layout cannot follow: refused, naming the field.
 """
 
 from __future__ import annotations
@@ -25,13 +36,18 @@ from typing import Any
 import pytest
 
 from weightsync.layout.sglang import engine_layout
-from weightsync.layout.sglang_options import layout_options, options_from_table, stale_router_warning
+from weightsync.layout.sglang_options import (
+    check_server_args,
+    layout_options,
+    options_from_table,
+    stale_router_warning,
+)
 from weightsync.models import get_model
 from weightsync.models.checkpoint import hf_config_dict
 from weightsync.models.config import spec_from_hf_config
 from weightsync.models.parallel import RolloutParallel
 from weightsync.sync.engine_client import EngineClient
-from weightsync.sync.engines import Engines
+from weightsync.sync.engines import Engines, rollout_from_server_info
 
 
 def _gate_dtype(spec: Any, par: RolloutParallel) -> str:
@@ -107,6 +123,67 @@ def test_reference_reads_the_indexer_weights_as_the_engine_stores_them():
             assert torch.equal(held(ix + name + ".weight"), want), (par, name)
 
 
+@pytest.mark.parametrize(("model", "changes", "ep", "fused"), [
+    pytest.param("GLM-4.5-Air", {}, 1, True, id="glm45-ep1"),
+    pytest.param("GLM-4.5-Air", {}, 2, False, id="glm45-ep2"),
+    pytest.param("GLM-4.7-Flash", {}, 1, True, id="glm47-ep1"),
+    pytest.param("GLM-4.7-Flash", {"num_shared_experts": 2}, 1, False, id="glm47-two-shared"),
+    pytest.param("GLM-5", {"num_experts": 256}, 1, True, id="glm5-256-ep1"),
+    pytest.param("GLM-5", {"num_experts": 256}, 4, False, id="glm5-256-ep4"),
+    pytest.param("GLM-5", {}, 1, False, id="glm5-tiny-8-experts"),
+    pytest.param("GLM-5", {"num_experts": 256, "hf_architecture": "DeepseekV32ForCausalLM"}, 1, False,
+                 id="deepseek-v32-architecture"),
+    pytest.param("Kimi-K2", {"num_experts": 384}, 1, False, id="kimi-384-not-quark"),
+    pytest.param("Kimi-K2", {"num_experts": 256}, 1, True, id="deepseek-v3-256"),
+    pytest.param("Qwen3-30B-A3B", {}, 1, False, id="qwen3-moe-no-shared"),
+])
+def test_shared_experts_fusion_rule(model: str, changes: dict[str, Any], ep: int, fused: bool):
+    spec = get_model(model, "tiny").replace(**changes)
+    assert layout_options(spec, RolloutParallel(tp=4, ep=ep)).shared_experts_fusion is fused
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 1), (4, 3)])
+def test_fused_shared_expert_is_the_last_expert_slot(tp: int, rank: int):
+    """GLM-4.5-Air at ep 1: w13[E] = [shared gate rows; shared up rows] of this moe-TP rank, w2[E] its columns."""
+    spec = get_model("GLM-4.5-Air", "tiny")  # 8 experts, one shared expert, moe ffn 32
+    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    i_l = i // tp
+    rows = (rank * i_l, (rank + 1) * i_l)
+    ts = {t.name: t for t in engine_layout(spec, RolloutParallel(tp=tp), rank)}
+    m = "model.layers.1.mlp."
+    assert not [n for n in ts if ".shared_experts." in n]
+    w13, w2 = ts[m + "experts.w13_weight"], ts[m + "experts.w2_weight"]
+    assert (w13.shape, w2.shape) == ((e + 1, 2 * i_l, h), (e + 1, h, i_l))
+    slot = ((e, e + 1),)
+    assert [(p.global_name, p.global_box, p.local_box) for p in w13.pieces if p.local_box[0] == slot[0]] == [
+        (m + "shared_experts.gate_proj.weight", (rows, (0, h)), (*slot, (0, i_l), (0, h))),
+        (m + "shared_experts.up_proj.weight", (rows, (0, h)), (*slot, (i_l, 2 * i_l), (0, h))),
+    ]
+    assert [(p.global_name, p.global_box) for p in w2.pieces if p.local_box[0] == slot[0]] == [
+        (m + "shared_experts.down_proj.weight", ((0, h), rows))]
+    apart = {t.name for t in engine_layout(spec, RolloutParallel(tp=tp, shared_experts_fusion=False), rank)}
+    assert m + "shared_experts.gate_up_proj.weight" in apart
+
+
+def test_shared_experts_fusion_under_expert_parallelism_is_refused():
+    with pytest.raises(ValueError, match="expert parallelism"):
+        engine_layout(get_model("GLM-4.5-Air", "tiny"), RolloutParallel(tp=2, ep=2, shared_experts_fusion=True), 0)
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("ep_num_redundant_experts", 32), ("enable_eplb", True), ("moe_a2a_backend", "deepep"),
+    ("init_expert_location", "/path/to/placement.json"), ("rl_on_policy_target", "fsdp"), ("dcp_size", 2),
+])
+def test_server_args_a_layout_cannot_follow_are_refused_naming_them(key: str, value: Any):
+    info = {"tp_size": 8, "dp_size": 1, "ep_size": 8, "pp_size": 1, "moe_dense_tp_size": None,
+            "enable_dp_lm_head": False}
+    check_server_args(info)
+    check_server_args({**info, "ep_num_redundant_experts": 0, "moe_a2a_backend": "none"})
+    with pytest.raises(ValueError, match=f"{key}={value!r}") as err:
+        rollout_from_server_info({**info, key: value}, num_engines=1)
+    assert "\n" not in str(err.value)
+
+
 def test_router_fp32_is_read_from_config_json():
     spec = get_model("GLM-5", "tiny").replace(router_fp32=True)
     cfg = hf_config_dict(spec)
@@ -123,6 +200,9 @@ def test_router_fp32_is_read_from_config_json():
     pytest.param("Qwen3-30B-A3B", RolloutParallel(tp=2), id="qwen3-moe"),
     pytest.param("GLM-5", RolloutParallel(tp=2), id="glm5-indexer-fused"),
     pytest.param("GLM-5", RolloutParallel(tp=2, dsa_indexer_fusion=False), id="glm5-indexer-apart"),
+    pytest.param("GLM-4.5-Air", RolloutParallel(tp=2), id="glm45-shared-fused"),
+    pytest.param("GLM-4.5-Air", RolloutParallel(tp=2, shared_experts_fusion=False), id="glm45-shared-apart"),
+    pytest.param("GLM-5", RolloutParallel(tp=2, shared_experts_fusion=True), id="glm5-shared-enforced"),
 ])
 def test_options_are_read_back_from_a_published_table(model: str, par: RolloutParallel):
     """What an engine of ``par`` publishes (``{name: [ptr, numel, element_size]}``) gives back its options."""

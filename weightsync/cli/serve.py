@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the DSA indexer's wk and weights_proj apart (sglang's "
                         "SGLANG_DISABLE_DSA_INDEXER_FUSION); default: one wk_weights_proj with the interleaved indexer "
                         "rope, as sglang 0.5.23 on CUDA")
+    fusion = parser.add_mutually_exclusive_group()
+    fusion.add_argument("--disable-shared-experts-fusion", action="store_true",
+                        help="keep the MoE shared expert apart (mlp.shared_experts.*); default: sglang 0.5.23's "
+                        "rule (fused into the last slot of mlp.experts.w13_weight / w2_weight at --ep 1 for GLM-4.5, "
+                        "GLM-4.7-Flash and 256-expert DeepSeek-V3 / GLM-5)")
+    fusion.add_argument("--enforce-shared-experts-fusion", action="store_true",
+                        help="fuse the shared expert whatever the model (at --ep 1)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks compute")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port")
@@ -117,6 +124,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         enable_dp_lm_head=args.enable_dp_lm_head,
         router_fp32=None if args.router_dtype is None else args.router_dtype == "float32",
         dsa_indexer_fusion=False if args.disable_dsa_indexer_fusion else None,
+        shared_experts_fusion=(False if args.disable_shared_experts_fusion
+                               else True if args.enforce_shared_experts_fusion else None),
         device=args.device,
         host=args.host,
         port=args.port,

@@ -69,6 +69,7 @@ def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
     par = RolloutParallel(
         tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, moe_dense_tp=cfg.moe_dense_tp_size, dp_lm_head=cfg.enable_dp_lm_head,
         router_fp32=cfg.router_fp32, dsa_indexer_fusion=cfg.dsa_indexer_fusion,
+        shared_experts_fusion=cfg.shared_experts_fusion,
     )
     check_engine_parallel(spec, par)
     if cfg.device == "cuda" and torch.cuda.device_count() < par.tp:

@@ -46,6 +46,10 @@ class ServeConfig:
     dsa_indexer_fusion: bool | None = None
     """Layout option ``dsa_indexer_fusion``: False keeps the DSA indexer's ``wk`` and ``weights_proj``
     apart (sglang's ``SGLANG_DISABLE_DSA_INDEXER_FUSION``); None: sglang 0.5.23's rule."""
+    shared_experts_fusion: bool | None = None
+    """Layout option ``shared_experts_fusion``: True fuses the shared expert into the routed experts'
+    weights (sglang's ``--enforce-shared-experts-fusion``, at ep 1 only), False keeps it apart
+    (``--disable-shared-experts-fusion``); None: sglang 0.5.23's rule."""
     device: str = "cpu"
     """``cpu`` or ``cuda`` (rank r uses ``cuda:r``)."""
     host: str = "127.0.0.1"
@@ -127,6 +131,9 @@ class ServeConfig:
         if self.in_flight_at_flip not in IN_FLIGHT_AT_FLIP:
             raise ValueError(f"in_flight_at_flip must be one of {', '.join(IN_FLIGHT_AT_FLIP)}, got "
                              f"{self.in_flight_at_flip!r}")
+        if self.shared_experts_fusion and self.ep > 1:
+            raise ValueError(f"--enforce-shared-experts-fusion with --ep {self.ep}: shared-expert fusion under "
+                             "expert parallelism is not supported (sglang scales the shared slots by 1/ep)")
         if self.token is not None and len(self.token) < 16:
             raise ValueError("the engine token must be at least 16 characters (e.g. python -c 'import secrets; "
                              "print(secrets.token_urlsafe(32))')")
@@ -140,4 +147,7 @@ def option_flags(par: RolloutParallel) -> list[str]:
         flags += ["--router-dtype", "float32" if par.router_fp32 else "model"]
     if par.dsa_indexer_fusion is False:
         flags.append("--disable-dsa-indexer-fusion")
+    if par.shared_experts_fusion is not None:
+        flags.append("--enforce-shared-experts-fusion" if par.shared_experts_fusion else
+                     "--disable-shared-experts-fusion")
     return flags

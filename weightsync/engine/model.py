@@ -8,9 +8,10 @@ blockwise; fine for CPU tests and small models, not a fast path).
 Where the layout splits a reduction dim, the rank computes a partial sum and the model
 all-reduces it (see :mod:`weightsync.engine.tp`): attention output over attention-TP, dense
 MLP over TP unless replicated (``--moe-dense-tp-size 1``), routed + shared experts over TP
-(EP x moe-TP), the embedding over its vocab split; the lm_head logits are all-gathered over the
-lm_head's vocab split (attention-TP with ``--enable-dp-lm-head``, else TP): with DP-attention
-every attention group computes the same batch here, so each group's gather is the full vocab.
+(EP x moe-TP; a fused shared expert is the last slot of the routed experts' weights), the
+embedding over its vocab split; the lm_head logits are all-gathered over the lm_head's vocab split
+(attention-TP with ``--enable-dp-lm-head``, else TP): with DP-attention every attention group
+computes the same batch here, so each group's gather is the full vocab.
 
 Typical usage::
 
@@ -146,7 +147,7 @@ class Model:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         out = self._experts(m, flat)
-        if spec.num_shared_experts:
+        if spec.num_shared_experts and not self.options.shared_experts_fusion:
             out = out + F.linear(
                 swiglu(F.linear(flat, self.w(m + "shared_experts.gate_up_proj.weight"))),
                 self.w(m + "shared_experts.down_proj.weight"),
@@ -169,16 +170,19 @@ class Model:
         )
 
     def _experts(self, m: str, x: torch.Tensor) -> torch.Tensor:
-        """This rank's routed experts' partial output ``[N, H]`` (its experts, its moe-TP slice)."""
+        """This rank's experts' partial output ``[N, H]`` (its experts, its moe-TP slice): the routed
+        ones, weighted by the router, and a fused shared expert (the last slot), weight 1."""
         weights, ids = self._route(m, x)
         w13, w2 = m + "experts.w13_weight", m + "experts.w2_weight"
-        num_local = self.store[w13].shape[0]
-        first = self.groups.coords.moe_ep_rank * num_local
+        num_routed = self.store[w13].shape[0] - (1 if self.options.shared_experts_fusion else 0)
+        first = self.groups.coords.moe_ep_rank * num_routed
         out = torch.zeros_like(x)
-        for j in range(num_local):
+        for j in range(num_routed):
             rows, slot = (ids == first + j).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
             y = F.linear(swiglu(F.linear(x[rows], self._expert_w(w13, j))), self._expert_w(w2, j))
             out.index_add_(0, rows, y * weights[rows, slot, None].to(self.dtype))
+        if self.options.shared_experts_fusion:
+            out = out + F.linear(swiglu(F.linear(x, self._expert_w(w13, num_routed))), self._expert_w(w2, num_routed))
         return out

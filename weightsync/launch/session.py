@@ -53,6 +53,7 @@ from weightsync.launch.validate import (
 )
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
+from weightsync.layout.sglang_options import check_server_args
 from weightsync.models.resolve import describe_model, model_spec
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
@@ -198,6 +199,10 @@ class RunSession:
         infos = self.procs.on_engines(lambda c: c.server_info())
         for i, info in enumerate(infos):
             sizes = [f"{k}={info.get(k)!r} (this run needs {v!r})" for k, v in want.items() if info.get(k) != v]
+            try:
+                check_server_args(info)
+            except ValueError as exc:
+                sizes.append(str(exc))
             problems = self._model_problems(info, layouts=not sizes) + sizes
             if problems:
                 raise RunError(f"engine {i} at {self.procs.engines[i].url} does not match this run: "

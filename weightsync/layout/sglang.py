@@ -22,10 +22,10 @@ Model classes followed (sgl-project/sglang, python/sglang/srt/):
 Choices where sglang has several paths (documented once here):
 
 * MoE runs the standard (non-a2a) FusedMoE path, as the reference profiles do: shared experts
-  are a separate TP-split MLP (``mlp.shared_experts``), never fused into the routed experts
-  (sglang's shared-experts fusion is off under EP and on non-CUDA hosts; the layout of the
-  fused variant is not produced). No redundant experts (EPLB off): expert ``e`` lives on EP rank
-  ``e // (E / ep)``.
+  are a separate TP-split MLP (``mlp.shared_experts``), or, with the ``shared_experts_fusion``
+  option (sglang's default at expert-parallel 1 for GLM-4.5, GLM-4.7-Flash and 256-expert
+  DeepSeek-V3 / GLM-5), the last slot of ``w13_weight`` / ``w2_weight``. No redundant experts
+  (EPLB off): expert ``e`` lives on EP rank ``e // (E / ep)``.
 * The MLA path absorbs ``kv_b_proj`` into ``w_kc``/``w_vc`` after loading; both are listed
   as ``derived`` (recomputed by the engine, never written by a plan) in the model dtype. (Real
   sglang keeps them bf16 for 128x128 fp8 blocks and re-quantizes them per tensor otherwise; they

@@ -20,6 +20,25 @@ publishes, :func:`options_from_table`, or an engine's own flags) overrides the r
   config.indexer_rope_interleave``, ``models/deepseek_v2.py``; filled by
   ``deepseek_weight_loader._load_fused_indexer_wk``). Unfused, ``weights_proj`` is bfloat16 all
   the same (``params_dtype=torch.bfloat16``) and ``wk`` the model dtype.
+* ``shared_experts_fusion`` -- the shared expert as routed-expert slot ``E`` (after the routed
+  ones) of ``w13_weight`` / ``w2_weight``, no ``mlp.shared_experts.*``
+  (``layers/moe/utils.py`` ``resolve_shared_experts_config``, asked before the model is built: off
+  with ``--disable-shared-experts-fusion`` or when the model class's
+  ``shared_experts_fusion_disable_reason`` gives one; the loader renames ``mlp.shared_experts`` to
+  ``mlp.experts.{n_routed_experts}``, ``FusedMoE._map_global_expert_id_to_local_expert_id`` puts it
+  after the local routed experts). The reasons, on CUDA with default flags: ``Glm4MoeForCausalLM``
+  (``models/glm4_moe.py``) fuses at ``moe_ep_size == 1``; ``Glm4MoeLiteForCausalLM``
+  (``models/glm4_moe_lite.py``) with one shared expert at ``moe_ep_size == 1``;
+  ``DeepseekV2ForCausalLM`` (``models/deepseek_v2.py``) only for the architecture it names
+  (``DeepseekV3ForCausalLM``; ``GlmMoeDsaForCausalLM`` for its GLM-5 subclass; never
+  ``DeepseekV32ForCausalLM``, which inherits DeepSeek-V3's name), 256 routed experts (384 only
+  with Quark quantization: never Kimi-K2), one shared expert, ``moe_ep_size == 1``. sglang's
+  ``--enforce-shared-experts-fusion`` (fusion under expert parallelism, shared slots scaled by
+  ``1 / ep``) is not modelled: refused.
+
+Settings of sglang's ``ServerArgs`` that change the layout in ways not modelled here are refused
+when an engine reports them (:func:`check_server_args`), naming the setting: redundant experts
+(EPLB), expert re-placement, all-to-all MoE backends, ... (:data:`UNSUPPORTED_SETTINGS`).
 
 Typical usage::
 
@@ -47,6 +66,40 @@ class LayoutOptions:
     """``mlp.gate.weight`` in float32 (else the model dtype)."""
     dsa_indexer_fusion: bool
     """``indexer.wk_weights_proj.weight`` instead of ``indexer.wk.weight`` and ``indexer.weights_proj.weight``."""
+    shared_experts_fusion: bool
+    """The shared expert is the last slot of each MoE layer's ``w13_weight`` / ``w2_weight``."""
+
+
+UNSUPPORTED_SETTINGS: tuple[tuple[str, object, str], ...] = (
+    ("ep_num_redundant_experts", 0, "redundant experts add physical expert slots that the EPLB metadata maps to "
+     "logical experts (num_experts + ep_num_redundant_experts in FusedMoE)"),
+    ("enable_eplb", False, "EPLB moves experts between slots while the engine runs"),
+    ("init_expert_location", "trivial", "experts are not placed in order on the EP ranks"),
+    ("moe_a2a_backend", "none", "an all-to-all MoE backend replicates or re-shards the shared experts"),
+    ("enable_shared_experts_attn_tp", False, "shared experts split over attention-TP"),
+    ("shared_experts_tp_size", None, "shared experts split over another TP size"),
+    ("enable_dense_mlp_attn_tp", False, "dense MLPs split over attention-TP"),
+    ("rl_on_policy_target", None, "Qwen3's norms and embedding held in float32"),
+    ("attn_cp_size", 1, "attention context parallelism"),
+    ("moe_dp_size", 1, "MoE data parallelism"),
+    ("dcp_size", 1, "decode context parallelism (attn_mqa_for_dcp_decode scales)"),
+)
+"""``ServerArgs`` fields (sglang 0.5.23, ``arg_groups/fields/``) whose non-default values change the
+parameters in ways the layout does not model: (field, default, what it changes)."""
+
+
+def check_server_args(info: Mapping[str, object]) -> None:
+    """Refuse an engine whose ``/server_info`` sets one of :data:`UNSUPPORTED_SETTINGS` (a field
+    absent from the answer is at its default: older releases, this project's engine).
+
+    Raises:
+        ValueError: one line naming the first such setting, its value and what it changes.
+    """
+    for key, default, what in UNSUPPORTED_SETTINGS:
+        value = info.get(key, default)
+        if value != default and not (value is None and default in (0, False)):
+            raise ValueError(f"the engine runs with {key}={value!r}: {what}, which weightsync does not plan for "
+                             f"(restart it with {key} {default!r})")
 
 
 def sglang_router_fp32(spec: ModelSpec) -> bool:
@@ -55,6 +108,21 @@ def sglang_router_fp32(spec: ModelSpec) -> bool:
     if spec.hf_architecture in GLM_ROUTER_ARCHITECTURES:
         return True
     return spec.family is Family.DEEPSEEK_V3 and spec.router_fp32
+
+
+def sglang_shared_experts_fusion(spec: ModelSpec, par: RolloutParallel) -> bool:
+    """sglang 0.5.23's shared-experts fusion rule on a CUDA GPU of compute capability 8.0 or more
+    with default flags (module docstring)."""
+    if not spec.num_shared_experts or par.ep != 1:
+        return False
+    arch = spec.hf_architecture
+    if arch == "Glm4MoeForCausalLM":
+        return True
+    if arch == "Glm4MoeLiteForCausalLM":
+        return spec.num_shared_experts == 1
+    if arch in ("DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM"):
+        return spec.num_shared_experts == 1 and spec.num_experts == 256
+    return False
 
 
 def layout_options(spec: ModelSpec, par: RolloutParallel) -> LayoutOptions:
@@ -75,7 +143,16 @@ def layout_options(spec: ModelSpec, par: RolloutParallel) -> LayoutOptions:
     if fused and spec.has_indexer and not spec.indexer_rope_interleave:
         raise ValueError(f"{spec.name}: dsa_indexer_fusion needs the interleaved indexer rope (sglang fuses wk and "
                          "weights_proj only when config.json sets indexer_rope_interleave)")
-    return LayoutOptions(router_fp32=bool(spec.is_moe and router), dsa_indexer_fusion=bool(spec.has_indexer and fused))
+    shared = (par.shared_experts_fusion if par.shared_experts_fusion is not None
+              else sglang_shared_experts_fusion(spec, par)) and spec.num_shared_experts > 0
+    if shared and par.ep > 1:
+        raise ValueError(f"{spec.name}: shared-expert fusion under expert parallelism (ep {par.ep}; sglang's "
+                         "--enforce-shared-experts-fusion) is not supported: serve with ep 1 or without the fusion")
+    if shared and spec.num_shared_experts != 1:
+        raise ValueError(f"{spec.name}: shared-expert fusion of {spec.num_shared_experts} shared experts is not "
+                         "supported (one slot per shared expert of width moe_intermediate_size)")
+    return LayoutOptions(router_fp32=bool(spec.is_moe and router), dsa_indexer_fusion=bool(spec.has_indexer and fused),
+                         shared_experts_fusion=shared)
 
 
 def _first_moe_layer(spec: ModelSpec) -> int | None:
@@ -103,6 +180,9 @@ def options_from_table(spec: ModelSpec, par: RolloutParallel, weights: Mapping[s
         gate = weights.get(f"model.layers.{layer}.mlp.gate.weight")
         if gate is not None:
             changes["router_fp32"] = int(gate[2]) == 4
+        shared = weights.get(f"model.layers.{layer}.mlp.shared_experts.gate_up_proj.weight")
+        if spec.num_shared_experts and f"model.layers.{layer}.mlp.experts.w13_weight" in weights:
+            changes["shared_experts_fusion"] = shared is None
     if spec.has_indexer:
         ix = "model.layers.0.self_attn.indexer."
         if ix + "wk_weights_proj.weight" in weights:

@@ -13,9 +13,9 @@ Where each layout comes from (sgl-project/sglang, python/sglang/srt/layers/):
   ``num_kv_heads / tp`` consecutive heads. MergedColumnParallelLinear ``gate_up_proj`` =
   [gate shard; up shard]. RowParallelLinear splits the input (column) dim.
 * ``moe/fused_moe_triton/layer.py`` FusedMoE: local experts ``[ep_rank * E_l, (ep_rank+1) * E_l)``
-  (``_map_global_expert_id_to_local_expert_id``); ``w13_weight[E_l, 2 * I_l, H]`` = per expert
-  [w1 (gate) rows ``t * I_l ...``; w3 (up) rows], ``w2_weight[E_l, H, I_l]`` (``_load_w13``,
-  ``_load_w2`` narrow by ``moe_tp_rank``).
+  (``_map_global_expert_id_to_local_expert_id``), then, with shared-experts fusion, the shared
+  expert; ``w13_weight[E_l, 2 * I_l, H]`` = per expert [w1 (gate) rows ``t * I_l ...``; w3 (up)
+  rows], ``w2_weight[E_l, H, I_l]`` (``_load_w13``, ``_load_w2`` narrow by ``moe_tp_rank``).
 * ``quantization/fp8.py``: block-quantized linear weights are float8_e4m3fn with a float32
   ``weight_scale_inv[ceil(out_l / bn), ceil(in_l / bk)]``; Fp8MoEMethod holds
   ``w13_weight_scale_inv[E_l, 2 * ceil(I_l / bn), ceil(H / bk)]`` and
@@ -314,24 +314,27 @@ def build_mlp(b: LayerBuilder, c: EngineCoords, par: RolloutParallel, layer: int
     if spec.router_expert_bias:
         b.replicated(m + "gate.e_score_correction_bias", (e,), dtype="float32")
     _experts(b, c, m)
-    if spec.num_shared_experts:
+    if spec.num_shared_experts and not b.options.shared_experts_fusion:
         # Standard (non-a2a) MoE: shared experts split over the full TP group.
         shared = spec.num_shared_experts * spec.moe_intermediate_size
         _gate_up_down(b, m + "shared_experts.", shared, c.tp_rank, c.tp_size)
 
 
 def _experts(b: LayerBuilder, c: EngineCoords, m: str) -> None:
+    """``w13_weight`` / ``w2_weight``: this EP rank's routed experts, then (fused) the shared expert."""
     spec = b.spec
     e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
     e_l, i_l = e // c.moe_ep_size, i // c.moe_tp_size
     e0, i0 = c.moe_ep_rank * e_l, c.moe_tp_rank * i_l
+    sources = [f"{m}experts.{e0 + j}." for j in range(e_l)]
+    if b.options.shared_experts_fusion:
+        sources.append(m + "shared_experts.")  # global expert id n_routed_experts, local slot e_l
     w13: list[Seg] = []
     w2: list[Seg] = []
-    for j in range(e_l):
-        ex = f"{m}experts.{e0 + j}."
+    for j, ex in enumerate(sources):
         lead = ((j, j + 1),)
         w13.append(row_seg(ex + "gate_proj.weight", (i, h), i0, i0 + i_l, 0, lead))
         w13.append(row_seg(ex + "up_proj.weight", (i, h), i0, i0 + i_l, i_l, lead))
         w2.append(col_seg(ex + "down_proj.weight", (h, i), i0, i0 + i_l, lead))
-    b.emit(m + "experts.w13_weight", (e_l, 2 * i_l, h), w13)
-    b.emit(m + "experts.w2_weight", (e_l, h, i_l), w2)
+    b.emit(m + "experts.w13_weight", (len(sources), 2 * i_l, h), w13)
+    b.emit(m + "experts.w2_weight", (len(sources), h, i_l), w2)

@@ -83,6 +83,11 @@ class RolloutParallel:
     """Layout option: the DSA indexer's ``wk`` and ``weights_proj`` as one bfloat16
     ``wk_weights_proj`` (True), or apart (False, sglang's ``SGLANG_DISABLE_DSA_INDEXER_FUSION``);
     None: sglang 0.5.23's rule (fused with the interleaved indexer rope, on CUDA)."""
+    shared_experts_fusion: bool | None = None
+    """Layout option: each MoE layer's shared expert as one more slot of ``mlp.experts.w13_weight`` /
+    ``w2_weight`` (True; no ``mlp.shared_experts.*``), or apart (False, sglang's
+    ``--disable-shared-experts-fusion``); None: sglang 0.5.23's rule (fused at expert-parallel 1 for
+    GLM-4.5, GLM-4.7-Flash and 256-expert DeepSeek-V3 / GLM-5 checkpoints, on CUDA)."""
 
     def __post_init__(self) -> None:
         for k in ("tp", "dp", "ep", "num_engines"):

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from weightsync.layout.box import LocalTensor
 from weightsync.layout.sglang_coords import engine_coords
-from weightsync.layout.sglang_options import options_from_table, stale_router_warning
+from weightsync.layout.sglang_options import check_server_args, options_from_table, stale_router_warning
 from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.sync.engine_client import EngineClient, EngineError
@@ -49,13 +49,16 @@ def rollout_from_server_info(info: dict[str, Any], num_engines: int) -> RolloutP
     """The engine layout that ``/server_info`` describes.
 
     Raises:
-        ValueError: a field is missing, or the engine is pipeline-parallel (not supported).
+        ValueError: a field is missing, the engine is pipeline-parallel, or it sets a layout setting
+            weightsync does not model (redundant experts, ...:
+            :func:`~weightsync.layout.sglang_options.check_server_args`).
     """
     missing = [k for k in SIZE_FIELDS if k not in info]
     if missing:
         raise ValueError(f"/server_info lacks {missing}: not an sglang ServerArgs answer")
     if int(info["pp_size"]) != 1:
         raise ValueError(f"pp_size={info['pp_size']}: pipeline-parallel engines are not supported")
+    check_server_args(info)
     dense = info["moe_dense_tp_size"]
     return RolloutParallel(tp=int(info["tp_size"]), dp=int(info["dp_size"]), ep=int(info["ep_size"]),
                            num_engines=num_engines, moe_dense_tp=None if dense is None else int(dense),
