@@ -145,6 +145,10 @@ def test_serve_cli_options_are_pinned() -> None:
         "--ep",
         "--moe-dense-tp-size",
         "--enable-dp-lm-head",
+        "--router-dtype",
+        "--disable-dsa-indexer-fusion",
+        "--disable-shared-experts-fusion",
+        "--enforce-shared-experts-fusion",
         "--device",
         "--host",
         "--port",
@@ -177,6 +181,8 @@ def test_serve_cli_options_are_pinned() -> None:
     args = parser.parse_args(["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--dp", "2"])
     assert (args.model, args.host, args.load_format, args.checkpoint) == ("GLM-5", "127.0.0.1", None, None)
     assert (args.moe_dense_tp_size, args.enable_dp_lm_head) == (None, False)
+    assert (args.router_dtype, args.disable_dsa_indexer_fusion) == (None, False)
+    assert (args.disable_shared_experts_fusion, args.enforce_shared_experts_fusion) == (False, False)
 
 
 def test_serve_passes_the_dense_tp_and_dp_lm_head_flags() -> None:
@@ -192,6 +198,29 @@ def test_serve_passes_the_dense_tp_and_dp_lm_head_flags() -> None:
     assert (par.moe_dense_tp, par.dp_lm_head, par.attn_tp) == (1, True, 1)
     with pytest.raises(ValueError, match="moe_dense_tp"):
         check_config(config_from_args(parser.parse_args([*argv, "--moe-dense-tp-size", "2"])))
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--router-dtype", "model"], ["--router-dtype", "float32", "--disable-dsa-indexer-fusion"],
+    ["--disable-shared-experts-fusion"], ["--enforce-shared-experts-fusion"],
+])
+def test_serve_passes_the_layout_option_flags(flags: list[str]) -> None:
+    """The layout options' flags reach the engine's RolloutParallel, and ``option_flags`` (what a run
+    passes the engines it starts) gives the same flags back."""
+    from weightsync.cli.serve import config_from_args
+    from weightsync.engine.bootstrap import check_config
+    from weightsync.engine.config import option_flags
+
+    args = build_parser().parse_args(["serve", "GLM-5", "--scale", "tiny", "--tp", "2", *flags])
+    _, par = check_config(config_from_args(args))
+    assert option_flags(par) == flags
+    assert par.router_fp32 is {"model": False, "float32": True}.get(args.router_dtype)
+    assert par.dsa_indexer_fusion is (False if "--disable-dsa-indexer-fusion" in flags else None)
+    assert par.shared_experts_fusion is (False if "--disable-shared-experts-fusion" in flags
+                                         else True if "--enforce-shared-experts-fusion" in flags else None)
+    with pytest.raises(ValueError, match="expert parallelism"):
+        check_config(config_from_args(build_parser().parse_args(
+            ["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--ep", "2", "--enforce-shared-experts-fusion"])))
 
 
 @pytest.mark.timeout(180)

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from weightsync.engine.engine import Engine
 from weightsync.engine.tp import EngineGroups
-from weightsync.layout.sglang import check_engine_parallel
+from weightsync.layout.sglang_fp8 import serving_fp8_block
 from weightsync.models.parallel import RolloutParallel
-from weightsync.models.resolve import model_spec
+from weightsync.models.resolve import model_spec, profile_fp8_block
 from weightsync.models.spec import ModelSpec
 from weightsync.transport import TransportConfig
 from weightsync.transport.net import bound_store, interface_of, is_loopback, is_wildcard
@@ -57,12 +57,14 @@ def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
     """The model and parallel sizes of ``cfg``, refused early when sglang would refuse them.
 
     The architecture and shapes come from the checkpoint's config.json when ``cfg.checkpoint`` is
-    set (:func:`weightsync.models.resolve.model_spec`), else from the registry at ``cfg.scale``.
+    set (:func:`weightsync.models.resolve.model_spec`), else from the registry at ``cfg.scale``;
+    the fp8 block is the checkpoint's, or the profile's where that is cut
+    (:func:`weightsync.layout.sglang_fp8.serving_fp8_block`). Every rank's layout is built here.
 
     Raises:
         ValueError: unknown model or scale, a checkpoint config of another family or with a field
-            the engine cannot honour, bad sizes, not enough CUDA devices, an address beyond
-            loopback without a token.
+            the engine cannot honour, bad sizes (an fp8 block cut by a shard included), not enough
+            CUDA devices, an address beyond loopback without a token.
     """
     check_access(cfg)
     spec = model_spec(cfg.model, cfg.scale, checkpoint=cfg.checkpoint, dtype=cfg.dtype)
@@ -71,7 +73,9 @@ def check_config(cfg: ServeConfig) -> tuple[ModelSpec, RolloutParallel]:
         router_fp32=cfg.router_fp32, dsa_indexer_fusion=cfg.dsa_indexer_fusion,
         shared_experts_fusion=cfg.shared_experts_fusion,
     )
-    check_engine_parallel(spec, par)
+    # every rank's layout, before any rank starts: a block-fp8 checkpoint is served in its own blocks,
+    # re-blocked losslessly into the profile's where a shard would cut them, refused in one line otherwise
+    spec = serving_fp8_block(spec, par, profile_fp8_block(cfg.model, cfg.scale))
     if cfg.device == "cuda" and torch.cuda.device_count() < par.tp:
         raise ValueError(f"tp={par.tp} needs {par.tp} CUDA devices, found {torch.cuda.device_count()}")
     return spec, par

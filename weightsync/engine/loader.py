@@ -10,9 +10,10 @@ as is, and its scale tensor arrives as a global tensor of its own.
 
 Checkpoints (:class:`CheckpointReader`): a float8 weight (block fp8 with ``weight_scale_inv``, the
 block size from its ``quantization_config``) loads as stored when the engine's blocks are the
-checkpoint's; in any other case it is dequantized with its scales first (and re-quantized into
-the engine's blocks, e.g. a ``[128, 128]`` checkpoint for a ``[64, 64]`` profile). A bf16 or
-float32 weight for an fp8-serving engine is quantized on load.
+checkpoint's, or tile them (a ``[128, 128]`` checkpoint re-blocked into ``[64, 64]`` where its own
+blocks would be cut: each scale copied to its sub-blocks, the dequantized weights unchanged); an
+engine that keeps it unquantized dequantizes it with its scales; it is never re-quantized. A bf16
+or float32 weight for an fp8-serving engine is quantized on load.
 
 Derived tensors (MLA ``w_kc``/``w_vc``) are recomputed by :func:`run_post_load` after every
 load or update.
@@ -28,11 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.layout.box import Box, box_slices
+from weightsync.layout.sglang_fp8 import divides
 from weightsync.models.checkpoint import HFCheckpoint, synthetic_hf_tensor
 from weightsync.models.checkpoint_check import CheckpointError, validate_checkpoint
 from weightsync.models.hf import GlobalTensor, global_tensors
 from weightsync.models.spec import ModelSpec
-from weightsync.quant.fp8 import dequantize_block_fp8
+from weightsync.quant.fp8 import dequantize_block_fp8, reblock_scale_inv
 from weightsync.quant.mla import derive_all, mla_layers
 from weightsync.sync.params import ParamStore, write_global
 
@@ -47,25 +49,37 @@ def _scale_comes_with_weight(gt: GlobalTensor, source_dtype: Callable[[str], str
 class CheckpointReader:
     """The global tensors of a checkpoint as the engine loads them: ``reader(name)(box)``.
 
-    A float8 weight is read as stored (its scale then loads as a global tensor of its own) when
-    the engine stores it in fp8 blocks of the checkpoint's size; otherwise it is dequantized with
-    the checkpoint's scales (whole, once), and the engine quantizes it into its own blocks or
-    keeps it in ``spec.dtype``.
+    A float8 weight loads as stored when the engine stores it in fp8 blocks of the checkpoint's
+    size, or of a size that tiles them (the re-blocking of :mod:`weightsync.layout.sglang_fp8`: its
+    scale then loads copied to every sub-block); a float8 weight the engine keeps unquantized (a
+    profile without fp8) is dequantized with the checkpoint's scales (whole, once). An fp8 weight
+    whose blocks the engine's do not tile is refused on construction: it would be re-quantized.
     """
 
     def __init__(self, ckpt: HFCheckpoint, spec: ModelSpec) -> None:
+        """Raises:
+        CheckpointError: an fp8 weight the engine stores in blocks that do not tile the checkpoint's.
+        """
         self.ckpt = ckpt
         self.spec = spec
         self.block = ckpt.fp8_block()
         self.table = global_tensors(spec)
         self._cache: dict[str, torch.Tensor] = {}
+        clash = [n for n, g in self.table.items() if g.block is not None and g.quant_of is None and n in ckpt
+                 and self.is_fp8(n) and not self.as_stored(n)]
+        if clash:
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} stores {len(clash)} fp8 weights (e.g. {clash[0]}) in blocks "
+                f"{list(self.block or ())}; this engine serves blocks {list(spec.fp8_block or ())}, which do not tile "
+                "them: serving them would re-quantize the checkpoint's weights (serve it in its own blocks)")
 
     def is_fp8(self, name: str) -> bool:
         return self.ckpt.meta(name)[1] == "float8_e4m3fn"
 
     def as_stored(self, name: str) -> bool:
-        """Whether fp8 weight ``name`` loads as stored (the engine's blocks are the checkpoint's)."""
-        return self.table[name].block is not None and self.table[name].block == self.block
+        """Whether fp8 weight ``name`` loads as stored: the engine's blocks are the checkpoint's or tile them."""
+        engine = self.table[name].block
+        return engine is not None and self.block is not None and divides(engine, self.block)
 
     def skip(self, name: str) -> bool:
         """A scale tensor that is not loaded: its weight is quantized on load, or not stored in fp8."""
@@ -73,6 +87,9 @@ class CheckpointReader:
         return weight is not None and not (self.is_fp8(weight) and self.as_stored(weight))
 
     def __call__(self, name: str) -> Callable[[Box], torch.Tensor]:
+        weight = self.table[name].quant_of
+        if weight is not None and self.table[name].block != self.block:
+            return self._reblocked_scale(name, weight)
         if not self.is_fp8(name) or self.as_stored(name):
             return lambda box: self.ckpt.get_slice(name, box)
 
@@ -85,6 +102,20 @@ class CheckpointReader:
             return self._cache[name][box_slices(box)]
 
         return dequantized
+
+    def _reblocked_scale(self, name: str, weight: str) -> Callable[[Box], torch.Tensor]:
+        """The checkpoint's scales of ``weight`` copied to the engine's finer blocks."""
+        engine, shape = self.table[name].block, self.table[weight].shape
+        assert engine is not None
+        assert self.block is not None
+
+        def read(box: Box) -> torch.Tensor:
+            if name not in self._cache:
+                self._cache.clear()
+                self._cache[name] = reblock_scale_inv(self.ckpt.get(name), (shape[0], shape[1]), self.block, engine)
+            return self._cache[name][box_slices(box)]
+
+        return read
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

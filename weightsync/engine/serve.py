@@ -78,7 +78,7 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
     if par.tp > 1:
         ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(target=_worker_main, args=(cfg, r, port), name=f"engine-rank{r}", daemon=True)
+            ctx.Process(target=_worker_main, args=(cfg, spec, par, r, port), name=f"engine-rank{r}", daemon=True)
             for r in range(1, par.tp)
         ]
         for p in procs:
@@ -142,14 +142,13 @@ def _watch_workers(procs: list[Any], watching: threading.Event) -> None:
         time.sleep(0.2)
 
 
-def _worker_main(cfg: ServeConfig, rank: int, port: int) -> None:
-    """Entry point of ranks > 0 (a spawned process)."""
-    from weightsync.engine.bootstrap import build_rank, check_config, finish_rank
+def _worker_main(cfg: ServeConfig, spec: Any, par: Any, rank: int, port: int) -> None:
+    """Entry point of ranks > 0 (a spawned process), with rank 0's checked model and layout."""
+    from weightsync.engine.bootstrap import build_rank, finish_rank
     from weightsync.engine.control import worker_loop
 
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
-    spec, par = check_config(cfg)
     engine = build_rank(cfg, spec, par, rank, port)
     try:
         worker_loop(engine)

@@ -53,8 +53,10 @@ from weightsync.launch.validate import (
 )
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang import engine_layout
+from weightsync.layout.sglang_fp8 import serving_fp8_block
 from weightsync.layout.sglang_options import check_server_args
-from weightsync.models.resolve import describe_model, model_spec
+from weightsync.models.resolve import describe_model, model_spec, profile_fp8_block
+from weightsync.models.spec import ModelSpec
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
 from weightsync.sync.engine_client import EngineClient, EngineError
@@ -86,8 +88,9 @@ class RunSession:
                  ) -> None:
         """``placement``: where the processes start (default: all on this host, :class:`LocalPlacement`)."""
         self.cfg = cfg
-        # The checkpoint's own architecture and shapes (a synthetic one's config.json is the registry's).
-        self.spec = model_spec(cfg.model, cfg.scale, checkpoint=hf_dir, dtype=cfg.dtype)
+        # The checkpoint's own architecture and shapes (a synthetic one's config.json is the registry's),
+        # and the fp8 block the engines serve (the checkpoint's, or the profile's where a shard cuts it).
+        self.spec = self._served(model_spec(cfg.model, cfg.scale, checkpoint=hf_dir, dtype=cfg.dtype))
         self.hf_dir = hf_dir
         self.torch_dist_dir = torch_dist_dir
         self.procs = placement if placement is not None else LocalPlacement(cfg.log_dir, cfg.node_plan, host=cfg.host,
@@ -214,6 +217,10 @@ class RunSession:
         if Mode.P2P in self.cfg.modes:
             self._infos = self._transfer_infos()
 
+    def _served(self, spec: ModelSpec) -> ModelSpec:
+        """``spec`` with the fp8 block an engine of this run serves (as ``weightsync serve`` decides it)."""
+        return serving_fp8_block(spec, self.cfg.rollout, profile_fp8_block(self.cfg.model, self.cfg.scale))
+
     def _model_problems(self, info: dict[str, Any], *, layouts: bool) -> list[str]:
         """Why the engine's model (its ``config.json``) is not this run's, or how the destination
         layout derived from it differs from the plan's (with ``layouts``: the sizes matched); []
@@ -226,7 +233,7 @@ class RunSession:
                         "it publishes only", path, CONFIG_FILE)
             return []
         try:
-            spec = model_spec(self.cfg.model, self.cfg.scale, checkpoint=str(path), dtype=self.spec.dtype)
+            spec = self._served(model_spec(self.cfg.model, self.cfg.scale, checkpoint=str(path), dtype=self.spec.dtype))
         except ValueError as exc:
             return [f"its model {path}: {exc}"]
         out: list[str] = []

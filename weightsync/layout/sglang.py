@@ -62,6 +62,7 @@ from weightsync.layout.sglang_coords import (
 )
 from weightsync.layout.sglang_options import layout_options
 from weightsync.layout.sglang_parts import (
+    Fp8BlockCut,
     LayerBuilder,
     build_attention,
     build_mlp,
@@ -75,6 +76,7 @@ from weightsync.models.spec import ModelSpec
 __all__ = [
     "VOCAB_PADDING",
     "EngineCoords",
+    "Fp8BlockCut",
     "VocabShard",
     "check_engine_parallel",
     "dense_mlp_split",
@@ -172,5 +174,5 @@ def check_engine_parallel(spec: ModelSpec, par: RolloutParallel) -> None:
         i_l = spec.moe_intermediate_size // par.moe_tp
         bn, bk = spec.fp8_block
         if i_l % bn or (par.tp > 1 and i_l % bk):
-            raise ValueError(f"{spec.name}: moe intermediate size per moe-TP rank {i_l} is not a multiple of the fp8 "
+            raise Fp8BlockCut(f"{spec.name}: moe intermediate size per moe-TP rank {i_l} is not a multiple of the fp8 "
                              f"block {spec.fp8_block} (sglang Fp8MoEMethod refuses it)")

@@ -127,7 +127,7 @@ class LayerBuilder:
             gbox, lbox = _scale_boxes(seg.gbox, seg.gshape, seg.lbox[extra:], lshape[extra:], block)
         except _BlockCut as cut:
             dim, (g0, g1), (l0, l1) = cut.args
-            raise ValueError(
+            raise Fp8BlockCut(
                 f"{self.spec.name}: fp8 block {block} is cut by {name}: it holds {seg.gname}[{g0}:{g1}] (dim {dim}) "
                 f"at local [{l0}:{l1}]; sglang needs every shard of a block-quantized weight to hold whole blocks "
                 f"(choose a tp/ep whose splits are multiples of {block[dim]})"
@@ -138,6 +138,11 @@ class LayerBuilder:
 
 class _BlockCut(Exception):
     """A weight segment that does not hold whole fp8 blocks: ``(dim, global range, local range)``."""
+
+
+class Fp8BlockCut(ValueError):
+    """A layout whose shards cut fp8 quantization blocks (sglang refuses it); the message names the
+    tensor, or the MoE size, and the block."""
 
 
 @functools.lru_cache(maxsize=4096)

@@ -527,8 +527,8 @@ def checkpoint_fp8_block(quantization_config: Mapping[str, Any] | None,
                          where: str = "config.json") -> tuple[int, int] | None:
     """The block size a checkpoint stores its fp8 weights in (None: not quantized).
 
-    The checkpoint's own block is what its ``weight_scale_inv`` tensors scale; the engine may store
-    its weights in another block size (the run profile's), in which case they are re-quantized on load.
+    The checkpoint's own block is what its ``weight_scale_inv`` tensors scale; an engine serves it, or a
+    block size that tiles it where a shard would cut it (each scale copied to its sub-blocks).
 
     Raises:
         ConfigError: a quantization the readers cannot dequantize (the message names the key).

@@ -254,7 +254,9 @@ def _kimi_k2() -> ModelSpec:
             "v_head_dim": src + " --v-head-dim 128",
             "fp8_block": (
                 P2P_DOC + ": the original checkpoint's [128, 128] blocks break sglang tp 32, so the "
-                "reference system re-quantizes to [64, 64] (dense FFN 18432 / 32 = 576 = 9 x 64)"
+                "reference system serves [64, 64] (dense FFN 18432 / 32 = 576 = 9 x 64); weightsync serves "
+                "the checkpoint's own blocks where no shard cuts them and re-blocks them losslessly into "
+                "these otherwise"
             ),
             "checkpoint": "moonshotai/Kimi-K2-Instruct (miles run.py PREPARE_CONFIGS)",
         },

@@ -14,6 +14,9 @@ as it is (the scale then only labels the run). :func:`describe_model` is how eve
 what it serves or trains: a checkpoint by its directory and its own dimensions, registry shapes by
 model and scale.
 
+A block-fp8 checkpoint for an fp8 profile keeps its own block (an engine re-blocks it only where a
+shard would cut it: :func:`weightsync.layout.sglang_fp8.serving_fp8_block`).
+
 Typical usage::
 
     spec = model_spec("Kimi-K2", "tiny", checkpoint="/ckpt/Kimi-K2_tiny", dtype="float32")
@@ -25,7 +28,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from weightsync.models.config import ConfigError, architecture_of, spec_from_hf_config
+from weightsync.models.config import ConfigError, architecture_of, checkpoint_fp8_block, spec_from_hf_config
 from weightsync.models.registry import get_model, parse_scale, scale_spec
 from weightsync.models.spec import ModelSpec
 
@@ -87,7 +90,9 @@ def model_spec(model: str, scale: str = "full", *, checkpoint: str | Path | None
         dtype: the weights' dtype (:data:`DTYPES`).
 
     Returns:
-        The spec; its name is ``model`` and its ``fp8_block`` the profile's.
+        The spec; its name is ``model``; its ``fp8_block`` is None for a profile without fp8, else
+        a block-fp8 checkpoint's own block (``quantization_config.weight_block_size``), else the
+        profile's (weights quantized on load).
 
     Raises:
         ValueError: unknown model, scale or dtype; :class:`ConfigError` for a checkpoint whose
@@ -109,7 +114,11 @@ def model_spec(model: str, scale: str = "full", *, checkpoint: str | Path | None
         raise ConfigError(f"checkpoint {checkpoint} is a {arch} ({family} family); {model} serves "
                           f"{' or '.join(accepts)} checkpoints: pick the registry model of that family "
                           "(weightsync list)")
-    spec = spec_from_hf_config(config, name=model, where=where, dtype=dtype, fp8_block=profile.fp8_block,
+    # an fp8 profile serves a block-fp8 checkpoint in the checkpoint's own blocks (as sglang does)
+    block = profile.fp8_block
+    if block is not None:
+        block = checkpoint_fp8_block(config.get("quantization_config"), where) or block
+    spec = spec_from_hf_config(config, name=model, where=where, dtype=dtype, fp8_block=block,
                                sources={"*": where, "profile": f"registry model {model}"})
     if kind == "layers":
         assert n is not None
@@ -118,6 +127,12 @@ def model_spec(model: str, scale: str = "full", *, checkpoint: str | Path | None
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     return spec.replace(scale=scale)
+
+
+def profile_fp8_block(model: str, scale: str = "full") -> tuple[int, int] | None:
+    """The block registry model ``model``'s run profile serves fp8 weights in at ``scale`` (None: no
+    fp8): the block an engine re-blocks a checkpoint's fp8 weights into where a shard cuts their own."""
+    return get_model(model, "tiny" if parse_scale(scale)[0] == "tiny" else "full").fp8_block
 
 
 def describe_model(spec: ModelSpec, checkpoint: str | Path | None = None) -> str:

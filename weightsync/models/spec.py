@@ -162,7 +162,9 @@ class ModelSpec:
     dtype: str = "bfloat16"
     """Dtype of the trainer's weights and of the engine's unquantized weights."""
     fp8_block: tuple[int, int] | None = None
-    """Block size of the engine's fp8 block-quantized linear weights (None: not quantized)."""
+    """Block size of the engine's fp8 block-quantized linear weights (None: not quantized): a block-fp8
+    checkpoint's own, or the run profile's where a shard would cut that
+    (:func:`weightsync.layout.sglang_fp8.serving_fp8_block`)."""
 
     scale: str = "full"
     """``"full"``, ``"layers=N"`` or ``"tiny"``."""

@@ -95,3 +95,28 @@ def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
         ``q * scale_inv`` blockwise, in ``dtype``.
     """
     return (q.float() * _expand(scale_inv.float(), block, tuple(q.shape))).to(dtype)
+
+
+def reblock_scale_inv(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[int, int],
+                      into: tuple[int, int]) -> torch.Tensor:
+    """The scales of a block-fp8 weight of ``shape`` in blocks of ``into``, each a sub-block of a
+    ``block`` block (``into`` divides ``block``): every sub-block takes its block's scale, so the
+    weight's fp8 values dequantize to the same numbers in either grid (a lossless re-blocking).
+
+    Args:
+        scale_inv: float32 ``[ceil(R/b0), ceil(C/b1)]`` of ``block``.
+        shape: the weight's ``(R, C)``.
+        block: the blocks ``scale_inv`` scales.
+        into: the finer blocks, each side dividing ``block``'s.
+
+    Returns:
+        float32 ``[ceil(R/i0), ceil(C/i1)]``.
+
+    Raises:
+        ValueError: ``into`` does not divide ``block``.
+    """
+    if block[0] % into[0] or block[1] % into[1]:
+        raise ValueError(f"fp8 blocks {list(into)} do not tile blocks {list(block)}: re-blocking would re-quantize")
+    rows, cols = -(-shape[0] // into[0]), -(-shape[1] // into[1])
+    k0, k1 = block[0] // into[0], block[1] // into[1]
+    return scale_inv.repeat_interleave(k0, dim=0).repeat_interleave(k1, dim=1)[:rows, :cols].contiguous()

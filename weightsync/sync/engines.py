@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from weightsync.layout.box import LocalTensor
 from weightsync.layout.sglang_coords import engine_coords
+from weightsync.layout.sglang_fp8 import fp8_block_from_table
 from weightsync.layout.sglang_options import check_server_args, options_from_table, stale_router_warning
 from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
@@ -136,14 +137,29 @@ class Engines:
             return layouts[0]
         return self._published_options(spec, layouts[0], infos[0])
 
-    def _published_options(self, spec: ModelSpec, rollout: RolloutParallel, info: dict[str, Any]) -> RolloutParallel:
+    def _table0(self) -> dict[str, Any]:
+        """Rank 0's published parameter table of engine 0 ({} when it publishes none: logged)."""
         try:
-            weights = self.clients[0].transfer_engine_info(0)["remote_instance_transfer_engine_info"][1]
-        except (EngineError, KeyError, IndexError, TypeError) as exc:
-            log.warning("%s publishes no parameter table (%s): its layout options are taken as sglang 0.5.23's "
-                        "rules", self.where(0), exc)
-            weights = {}
-        found = options_from_table(spec, rollout, weights)
+            return dict(self.clients[0].transfer_engine_info(0)["remote_instance_transfer_engine_info"][1])
+        except (EngineError, KeyError, IndexError, TypeError, ValueError) as exc:
+            log.warning("%s publishes no parameter table (%s): its layout options and fp8 block are taken as "
+                        "sglang 0.5.23's rules and the model's", self.where(0), exc)
+            return {}
+
+    def fp8_block(self, spec: ModelSpec, rollout: RolloutParallel) -> tuple[int, int] | None:
+        """The fp8 block the engines serve (:func:`~weightsync.layout.sglang_fp8.fp8_block_from_table`
+        on engine 0's rank 0; ``spec.fp8_block`` when it publishes no scale), which a trainer
+        quantizes into.
+
+        Raises:
+            ValueError: the table fits no single block.
+        """
+        if spec.fp8_block is None:
+            return None
+        return fp8_block_from_table(spec, rollout, self._table0())
+
+    def _published_options(self, spec: ModelSpec, rollout: RolloutParallel, info: dict[str, Any]) -> RolloutParallel:
+        found = options_from_table(spec, rollout, self._table0())
         if "weightsync" not in info:  # this project's engine computes with the router it holds
             warning = stale_router_warning(spec, found, info.get("version"))
             if warning is not None:

@@ -93,6 +93,8 @@ class _Discovered:
     kind: str | None
     pause_reason: str | None = None
     """Why updates pause the engines (None: pause-free, :mod:`~weightsync.sync.update_flow`)."""
+    fp8_block: tuple[int, int] | None = None
+    """The block the engines serve fp8 weights in (the trainer quantizes into it)."""
 
 
 class WeightUpdater:
@@ -187,21 +189,24 @@ class WeightUpdater:
             kinds = {str(i["descriptor"]["kind"]) if i.get("descriptor") else SGLANG_TRANSPORT
                      for i in published.values()}
             return _Discovered(rollout=rollout, infos={int(k): dict(v) for k, v in published.items()},
-                               kind=kinds.pop() if len(kinds) == 1 else None)
+                               kind=kinds.pop() if len(kinds) == 1 else None, fp8_block=self.spec.fp8_block)
         assert self.engines is not None
 
         def find() -> _Discovered:
             assert self.engines is not None
             r = rollout or self.engines.rollout_parallel(self.spec)
+            block = self.engines.fp8_block(self.spec, r)
             if Mode.P2P not in self.config.modes:
-                return _Discovered(rollout=r, infos=None, kind=None, pause_reason=self._pause_reason(None, r.tp))
-            inputs = self._inputs(r)
+                return _Discovered(rollout=r, infos=None, kind=None, pause_reason=self._pause_reason(None, r.tp),
+                                   fp8_block=block)
+            inputs = self._inputs(r, self.spec.replace(fp8_block=block))
             want = self.config.transport
             kind = want.kind.value if isinstance(want, TransportConfig) else None if want == "auto" else str(want)
             infos = self.engines.transfer_infos(r, inputs.dest_layout, kind)
             first = next(iter(infos.values()))
             found = str(first["descriptor"]["kind"]) if first.get("descriptor") else SGLANG_TRANSPORT
-            return _Discovered(rollout=r, infos=infos, kind=found, pause_reason=self._pause_reason(infos, r.tp))
+            return _Discovered(rollout=r, infos=infos, kind=found, pause_reason=self._pause_reason(infos, r.tp),
+                               fp8_block=block)
 
         return from_rank0(self.pg, find)
 
@@ -220,8 +225,9 @@ class WeightUpdater:
             raise ValueError(f"UpdaterConfig(pause_free='on'), but {why} (serve --shadow auto, with memory for it)")
         return why
 
-    def _inputs(self, rollout: RolloutParallel) -> PlanInputs:
-        return build_inputs(self.spec, self.train, rollout, trainer_layout=trainer_layout, engine_layout=engine_layout,
+    def _inputs(self, rollout: RolloutParallel, spec: ModelSpec | None = None) -> PlanInputs:
+        return build_inputs(spec or self.spec, self.train, rollout, trainer_layout=trainer_layout,
+                            engine_layout=engine_layout,
                             placement=self._placement)
 
     def _transport(self, kind: str | None) -> TransportConfig:
@@ -238,6 +244,10 @@ class WeightUpdater:
     def _set_up(self, found: _Discovered) -> None:
         """Plan, connect and register (collective); every rank's failure is reported on all."""
         self.discovered = found
+        if found.fp8_block != self.spec.fp8_block:
+            log.info("[rank%d] the engines serve fp8 blocks %s: quantizing into them (not %s)", self.rank,
+                     found.fp8_block, self.spec.fp8_block)
+            self.spec = self.spec.replace(fp8_block=found.fp8_block)
         self.inputs = self._inputs(found.rollout)
         verify = bool(self.config.verify_every) and self.engines is not None
         ops: list[CopyOp] = []
