@@ -30,7 +30,7 @@ from pathlib import Path
 
 from weightsync.launch.config import ClusterSpec, Deadlines, EnvSettings, RunConfig, writable_dir
 from weightsync.layout.megatron import check_trainer_config
-from weightsync.layout.sglang import check_engine_parallel
+from weightsync.layout.sglang import engine_layout
 from weightsync.models import get_model, list_models
 from weightsync.models.fit import NodePlan, cuda_device_count, fit_profile, plan_nodes, profile_sizes
 from weightsync.models.parallel import RolloutParallel, TrainParallel
@@ -202,7 +202,9 @@ def check_layouts(model: str, scale: str, train: TrainParallel, rollout: Rollout
     except ValueError as exc:
         raise ValueError(f"--train: {exc}") from None
     try:
-        check_engine_parallel(spec, rollout)
+        # rank 0's whole layout: a shard that cuts an fp8 block (attention or experts) cuts rank 0's
+        # shard, so it is refused here, before any process starts (the engines check every rank)
+        engine_layout(spec, rollout, 0)
     except ValueError as exc:
         raise ValueError(f"--rollout: {exc}") from None
 
