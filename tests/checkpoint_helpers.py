@@ -143,7 +143,7 @@ def load_hf_model(family: HFFamily, path: Path) -> torch.nn.Module:
     return model
 
 
-def write_family_checkpoint(key: str, path: Path, *, seed: int = 0) -> Path:
+def write_family_checkpoint(key: str, path: Path, *, seed: int = 0, fp8_block: tuple[int, int] = FP8_BLOCK) -> Path:
     """Write ``FAMILIES[key]``'s checkpoint at ``path`` with transformers' ``save_pretrained`` (float32).
 
     The fp8 family is then rewritten in DeepSeek's format: every linear weight the engine stores
@@ -164,10 +164,10 @@ def write_family_checkpoint(key: str, path: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(str(path))
     if not family.fp8:
         return path
-    return _to_block_fp8(family, path)
+    return _to_block_fp8(family, path, fp8_block)
 
 
-def _to_block_fp8(family: HFFamily, path: Path) -> Path:
+def _to_block_fp8(family: HFFamily, path: Path, block: tuple[int, int]) -> Path:
     from safetensors.torch import load_file, save_file
 
     from weightsync.models.hf import is_fp8_linear
@@ -181,9 +181,9 @@ def _to_block_fp8(family: HFFamily, path: Path) -> Path:
     stored, dequantized = {}, {}
     for name, w in tensors.items():
         if is_fp8_linear(spec, name):
-            q, scale = quantize_block_fp8(w, FP8_BLOCK)
+            q, scale = quantize_block_fp8(w, block)
             stored[name], stored[name + "_scale_inv"] = q, scale
-            dequantized[name] = dequantize_block_fp8(q, scale, FP8_BLOCK, dtype=torch.float32)
+            dequantized[name] = dequantize_block_fp8(q, scale, block, dtype=torch.float32)
         else:
             stored[name] = dequantized[name] = w
     ref = path.with_name(path.name + "-dequantized")
@@ -193,7 +193,7 @@ def _to_block_fp8(family: HFFamily, path: Path) -> Path:
     save_file(stored, str(files[0]), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(FP8_BLOCK)}
+                                  "weight_block_size": list(block)}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return ref
 

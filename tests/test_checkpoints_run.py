@@ -7,8 +7,9 @@
   ``serve`` describe it alike: the checkpoint's name and its own dimensions, never the embedded
   default's tiny scale.
 * ``run MODEL --hf-checkpoint DIR`` of a real-format block-fp8 checkpoint (float8 weights with
-  ``weight_scale_inv``, DeepSeek-V3 architecture served as Kimi-K2): validation passes, the
-  step-0 equality check comparing fp8 weights within one ULP per side.
+  ``weight_scale_inv``, DeepSeek-V3 architecture served as Kimi-K2), in the profile's blocks and in
+  blocks of twice their size: validation passes, the step-0 equality check comparing fp8 weights
+  within one ULP per side.
 * ``prepare`` reads the profile's repository from a pre-filled Hugging Face cache offline
   (``HF_HUB_OFFLINE=1``); offline without a cache it says so in one line and stops, except for
   the embedded default, which uses synthetic weights and says so.
@@ -103,9 +104,13 @@ def read_names(spec: object) -> list[str]:
     return [n for n, g in global_tensors(spec).items() if g.quant_of is None]  # type: ignore[arg-type]
 
 
-def test_run_a_real_fp8_checkpoint(tmp_path: Path):
+@pytest.mark.parametrize("block", [(8, 8), (16, 16)], ids=["profile-blocks", "16x16-blocks"])
+def test_run_a_real_fp8_checkpoint(tmp_path: Path, block: tuple[int, int]):
+    """[16, 16] blocks are the tiny profile's [8, 8] as Kimi-K2's [128, 128] are its [64, 64]: the
+    engine (tp 2) serves them re-blocked where a shard cuts them (kv_b_proj's 56 rows), the trainer
+    quantizes into what the engine serves, and every gate passes."""
     src = tmp_path / "kimi-fp8"
-    write_family_checkpoint("deepseek_v3", src)
+    write_family_checkpoint("deepseek_v3", src, fp8_block=block)
     run = run_cli(["run", "Kimi-K2", "--hf-checkpoint", str(src), "--mode", "both", "--num-rollout", "1"],
                   ckpt_dir=tmp_path / "ckpt", log_dir=tmp_path / "run")
     assert_run_passed(run, modes=["p2p", "broadcast"])
