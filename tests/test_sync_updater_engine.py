@@ -40,8 +40,8 @@ def engine_on(port: int, log: Path):
     return serve_engine(ENGINE_ARGV, log, port=port)
 
 
-@pytest.fixture(scope="module", name="group")
-def trainer_group() -> Iterator[object]:
+@pytest.fixture(scope="module")
+def group() -> Iterator[object]:
     """A gloo group of this one trainer rank (the default group too, created here when absent)."""
     created = not dist.is_initialized()
     if created:
