@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import test_sync_updater_engine as base
 from tests.e2e_helpers import serve_engine
-from tests.test_sync_updater_engine import trainer_group  # noqa: F401 -- the `group` fixture: a gloo group of one
 from weightsync import UpdaterConfig, WeightUpdater
 from weightsync.layout.megatron import trainer_layout
 from weightsync.layout.sglang_options import layout_options
@@ -29,6 +29,8 @@ from weightsync.models.checkpoint import hf_config_dict, synthetic_hf_tensors, w
 from weightsync.models.parallel import TrainParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.quant.fp8 import quantize_block_fp8
+
+group = base.group  # the fixture: a gloo group of this one trainer rank
 
 TRAIN = TrainParallel(world_size=1)
 
