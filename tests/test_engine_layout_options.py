@@ -150,7 +150,7 @@ def test_fp8_kv_scales_are_published_constant_and_not_checksummed() -> None:
         engine.load_dummy(SEED)
         names = [t.name for t in engine_layout(spec, RolloutParallel(), 0) if t.constant is not None]
         assert len(names) == 4 * spec.num_layers
-        _, weights, _ = engine.transfer_info()
+        weights = engine.transfer_info().weights
         engine.reset_tensors(seed=3, skip=())
         engine.end_update()
         sums = engine.checker.checksum()["checksums"]
