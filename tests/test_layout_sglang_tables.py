@@ -97,7 +97,7 @@ def test_engine_registers_sglangs_table(model: str):
         held = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in engine.store.items()}
         derived = set(engine.store.derived_names())
         assert _diff({n: v for n, v in held.items() if n not in derived}, want) == []
-        _, published, _ = engine.transfer_info()
+        published = engine.transfer_info().weights
         assert {n: v[1:] for n, v in published.items()} == {
             n: [math.prod(shape), DTYPE_BYTES[dtype]] for n, (shape, dtype) in want.items()}
     finally:
