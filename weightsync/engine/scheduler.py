@@ -278,16 +278,24 @@ class Scheduler:
             return
         with self.lock:
             requeue = []
-            for p, r in zip(batch, results):
-                spans = spans_of(p, r, version)
-                answer = merged(p.partial, r)
-                answer.version_spans = spans
-                ended = bool(r.finish_reason) and r.finish_reason.get("type") == "abort"
-                if ended and self._retract and p.req.rid not in self._cancel and "status_code" not in r.finish_reason:
-                    answer.num_retractions += 1
-                    requeue.append(Pending(continuation(p.req, answer), p.future, answer))
-                else:
-                    self._answer(p, (answer, spans[-1][1]))
+            try:
+                for p, r in zip(batch, results, strict=True):
+                    spans = spans_of(p, r, version)
+                    answer = merged(p.partial, r)
+                    answer.version_spans = spans
+                    ended = bool(r.finish_reason) and r.finish_reason.get("type") == "abort"
+                    if (ended and self._retract and p.req.rid not in self._cancel
+                            and "status_code" not in r.finish_reason):
+                        answer.num_retractions += 1
+                        requeue.append(Pending(continuation(p.req, answer), p.future, answer))
+                    else:
+                        self._answer(p, (answer, spans[-1][1]))
+            except Exception as exc:  # a bug in turning results into answers: fail this batch, keep serving
+                logger.exception("batch %d: its results could not be turned into answers", number)
+                requeue = []
+                for p in batch:
+                    if not p.future.done():
+                        self._answer(p, exc=exc)
             self._pending.extendleft(reversed(requeue))
             self.running = False
             self.lock.notify_all()
