@@ -185,9 +185,10 @@ class BroadcastSender:
                 out.append((name, t.to(getattr(torch, wire))))
             else:
                 out.append((name, t))
-        for name in names:
-            if name in scales:
-                out.append((name, scales[name]))
+        for name in names:  # every fp8 weight's scale follows, in the weights' order (as announced),
+            scale = name + "_scale_inv"  # also where the plan's bucket cut put the scale's name in the next one
+            if scale in scales:
+                out.append((scale, scales[scale]))
         return out
 
     def wire_bucket(self, names: Sequence[str], alloc: Allocator | None = None,
