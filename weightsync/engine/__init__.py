@@ -15,7 +15,9 @@ Modules, bottom up:
 * ``scheduler``  rank 0's batching: the driver thread, the queue, generation
 * ``states``     the engine's state machine, written once as a table (``TRANSITIONS``)
 * ``session``    the weight-update sessions that drive it (begin / write / end / publish / abort),
-                 the scheduler's gate; ``io_struct`` + ``http_api`` the HTTP layer
+                 the scheduler's gate
+* ``io_base``, ``io_generate``, ``io_struct``   the request bodies (``/generate``'s, the
+                 control and weight-update ones); ``http_api`` the HTTP layer
 * ``bootstrap``, ``serve``   the server of ``weightsync serve`` (its command line: :mod:`weightsync.cli.serve`)
 * ``reference``  a plain reference forward over global HF tensors (tests, logprob parity)
 

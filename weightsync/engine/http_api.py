@@ -1,6 +1,7 @@
 """The engine's HTTP API on rank 0 (FastAPI): sglang's endpoints, request bodies and answers.
 
-Handlers are thin: parse the body (:mod:`weightsync.engine.io_struct`), hand the work from a
+Handlers are thin: parse the body (:mod:`weightsync.engine.io_struct`, ``/generate``'s
+:mod:`weightsync.engine.io_generate`), hand the work from a
 worker thread (``asyncio.to_thread``, so the event loop never blocks on the model or on a
 collective) to the :class:`~weightsync.engine.scheduler.Scheduler` (generation) or the
 :class:`~weightsync.engine.session.UpdateSessions` (pause, continue and every weight call), shape
@@ -54,6 +55,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 
 from weightsync.engine.control import RankError
+from weightsync.engine.io_generate import GenerateReqInput, to_gen_requests, to_response
 from weightsync.engine.io_struct import (
     AbortReq,
     AbortWeightUpdateReqInput,
@@ -63,7 +65,6 @@ from weightsync.engine.io_struct import (
     DestroyWeightsUpdateGroupReqInput,
     EndWeightUpdateReqInput,
     FlushCacheReqInput,
-    GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
     RequestBody,
@@ -71,8 +72,6 @@ from weightsync.engine.io_struct import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
-    to_gen_requests,
-    to_response,
 )
 from weightsync.engine.scheduler import EngineTimeout, QueueFull, Unavailable
 from weightsync.engine.session import GroupError, UpdateSessions
