@@ -10,7 +10,10 @@ tiny Qwen3-4B; rank 0 serves the HTTP app in process, rank 1 runs the worker loo
   500 naming the cause, without a traceback, and the next request is served; ``/health`` stays
   200;
 * non-finite logits (NaN in rank 1's copy of a weight) end the request with a 500 naming them;
-  restored weights are served again.
+  restored weights are served again;
+* ``sampling_seed`` beyond what a 64-bit generator takes is a 400 naming the field (such a seed
+  faulted every rank), the bounds themselves sample reproducibly, and seeding that fails on rank 0
+  ends that request only.
 
 Both ranks run in one spawn (``_rank_main``); rank 0 saves what it saw, the assertions run here.
 """
@@ -85,6 +88,8 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         engine_module.sample_tokens = real
         seen["after_step_failure"] = gen()
         seen["health"] = c.get("/health").status_code
+        _seeds(seen, gen, engine)
+        seen["health_after_seeds"] = c.get("/health").status_code
         # NaN in rank 1's copy of the final norm (rank 0 sees it only in the gathered logits);
         # injected behind the scheduler's back, on its driver thread
         assert c.post("/pause_generation", json={}).status_code == 200
@@ -101,6 +106,23 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     torch.save(seen, out)
     engine.close()
     dist.destroy_process_group()
+
+
+def _seeds(seen: dict[str, Any], gen: Any, engine: Any) -> None:
+    """``sampling_seed`` at and beyond a 64-bit generator's bounds, and seeding that fails on rank 0."""
+    for seed in (2**64, -(2**63) - 1, 2**200):
+        seen[f"seed {seed}"] = gen(temperature=1.0, sampling_seed=seed)
+    for seed in (2**64 - 1, -(2**63)):
+        seen[f"seed {seed}"] = [gen(temperature=1.0, sampling_seed=seed) for _ in range(2)]
+    real = engine._generators
+
+    def failing(reqs: Any) -> Any:
+        raise OverflowError("injected seeding failure")
+
+    engine._generators = failing
+    seen["seeding_failure"] = gen(temperature=1.0, sampling_seed=1)
+    engine._generators = real
+    seen["after_seeding_failure"] = gen()
 
 
 def _nan_on_rank1(driver: Any, name: str) -> None:
@@ -167,3 +189,27 @@ def test_non_finite_logits_end_the_request_not_the_engine(seen: dict[str, Any]) 
     assert status == 200
     assert restored["output_ids"] == seen["greedy"][1]["output_ids"]
     assert seen["restored_equal"]["success"], seen["restored_equal"]
+
+
+@pytest.mark.timeout(300)
+def test_no_sampling_seed_can_fault_the_engine(seen: dict[str, Any]) -> None:
+    """Seeds beyond a 64-bit generator are 400s naming the field (they faulted both ranks: every
+    request refused until a restart); the bounds themselves sample, reproducibly; seeding that
+    fails on rank 0 ends that request only (it runs inside the step's error handling)."""
+    for seed in (2**64, -(2**63) - 1, 2**200):
+        status, err = seen[f"seed {seed}"]
+        assert status == 400, (seed, err)
+        assert "sampling_seed" in err["message"], err
+    for seed in (2**64 - 1, -(2**63)):
+        (s1, a), (s2, b) = seen[f"seed {seed}"]
+        assert (s1, s2) == (200, 200), (seed, a, b)
+        assert len(a["output_ids"]) == 4, (seed, a)
+        assert a["output_ids"] == b["output_ids"], (seed, a, b)
+    status, err = seen["seeding_failure"]
+    assert status == 500, err
+    assert "injected seeding failure" in err["error"]["message"]
+    assert "every rank" in err["error"]["message"]
+    status, after = seen["after_seeding_failure"]
+    assert status == 200
+    assert after["output_ids"] == seen["greedy"][1]["output_ids"]
+    assert seen["health_after_seeds"] == 200

@@ -9,8 +9,8 @@ A batch is run to completion (static batching): right-padded prefill of all prom
 one decode step per new token for every row, until each row has stopped (``max_new_tokens``, a
 stop token, or an abort from rank 0). The KV cache lives for one batch.
 
-A failure on rank 0 while it samples a step (a request whose numbers the kernels cannot compute,
-a stop pattern that raises) does not leave the other ranks waiting in the token broadcast: rank 0
+A failure on rank 0 while it seeds or samples a step (a request whose numbers the kernels cannot
+compute, a stop pattern that raises) does not leave the other ranks waiting in the token broadcast: rank 0
 broadcasts a fault flag, every rank leaves the batch, and rank 0 raises :class:`StepError`. A row
 whose logits or probabilities are not finite ends alone, with finish reason ``abort`` and a
 message (``status_code`` 500); the batch's other rows go on.
@@ -47,7 +47,7 @@ from weightsync.engine.checker import WeightChecker
 from weightsync.engine.config import SHADOW_MODES
 from weightsync.engine.loader import LoadStats, load_checkpoint, load_dummy, run_post_load
 from weightsync.engine.model import Model
-from weightsync.engine.sampling import SamplingParams, prompt_logprobs, sample_tokens
+from weightsync.engine.sampling import SamplingParams, generator_seed, prompt_logprobs, sample_tokens
 from weightsync.engine.tensor_payload import decode_named_tensors
 from weightsync.engine.tp import EngineGroups
 from weightsync.layout.sglang import engine_layout
@@ -447,15 +447,7 @@ class Engine:
         """
         dev = self.store.device
         num = len(reqs)
-        gens = [
-            torch.Generator().manual_seed(
-                # a resumed request continues on a generator of its own seed and progress
-                r.sampling.sampling_seed + len(r.prior_output_ids)
-                if r.sampling.sampling_seed is not None
-                else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
-            )
-            for r in reqs
-        ]
+        gens: list[torch.Generator] = []  # rank 0's, seeded inside the step's error handling
         done = [self._remaining(r) <= 0 for r in reqs]
         for b in range(num):
             if done[b]:
@@ -466,6 +458,7 @@ class Engine:
             flip: FlipAt | None = None
             if self.rank == 0:
                 try:
+                    gens = gens or self._generators(reqs)
                     self._step(reqs, results, done, logits, gens, should_abort, ctrl)
                     flip = self._take_flip(take_flip, results, done, ctrl)
                 except Exception as exc:  # every rank must leave the batch: broadcast the fault first
@@ -503,6 +496,18 @@ class Engine:
                 if not finished:
                     res.version_spans.append((len(res.output_ids), flip.version))
         return flip
+
+    def _generators(self, reqs: list[GenRequest]) -> list[torch.Generator]:
+        """Rank 0: one generator per request, of its ``sampling_seed`` (a resumed request continues
+        from its own seed and progress) or drawn from the engine's generator."""
+        return [
+            torch.Generator().manual_seed(
+                generator_seed(r.sampling.sampling_seed, len(r.prior_output_ids))
+                if r.sampling.sampling_seed is not None
+                else int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+            )
+            for r in reqs
+        ]
 
     def _stop_ids(self, req: GenRequest) -> set[int]:
         return set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else set(self.eos_token_ids))

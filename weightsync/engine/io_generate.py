@@ -15,7 +15,7 @@ from pydantic import Field
 
 from weightsync.engine.engine import GenRequest, GenResult
 from weightsync.engine.io_base import Effect, NoteTable, RequestBody
-from weightsync.engine.sampling import MAX_ABS_LOGIT_BIAS, SamplingParams, check_computable
+from weightsync.engine.sampling import MAX_ABS_LOGIT_BIAS, MAX_SEED, MIN_SEED, SamplingParams, check_computable
 from weightsync.engine.tokenizer import Tokenizer
 from weightsync.models.spec import ModelSpec
 
@@ -57,7 +57,7 @@ class SamplingParamsInput(RequestBody):
     no_stop_trim: bool | None = False
     stream_interval: int | None = None
     logit_bias: dict[str, float] | None = None
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     custom_params: dict[str, Any] | None = None
     watermark: Any = None
 

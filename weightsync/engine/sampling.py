@@ -14,8 +14,10 @@ logprobs come from ``log_softmax(logits)`` at the previous position (the first p
 none).
 
 What the kernels can compute (checked when a request is parsed, :func:`check_computable`): every
-float is finite; ``temperature`` below ``1e-6`` is greedy (sglang's rule), so no division by a
-denormal happens; ``top_p`` is at least float32's smallest normal (below it the nucleus test in
+float is finite; ``sampling_seed`` is a 64-bit value (:data:`MIN_SEED`, :data:`MAX_SEED`), and
+rank 0 seeds its generators inside the step's error handling (a failure ends the batch on every
+rank, not the engine); ``temperature`` below ``1e-6`` is greedy (sglang's rule), so no division by
+a denormal happens; ``top_p`` is at least float32's smallest normal (below it the nucleus test in
 float32 keeps nothing); ``repetition_penalty`` is at least ``1e-6``; ``logit_bias`` values are
 clamped to ``[-1e6, 1e6]``. Sampling also always keeps the most probable token, and a row whose
 logits or probabilities still come out non-finite is reported (:func:`sample_tokens`'s
@@ -36,6 +38,15 @@ MIN_REPETITION_PENALTY = 1e-6
 """Below this, dividing a logit by the penalty overflows float32 for ordinary logits."""
 MAX_ABS_LOGIT_BIAS = 1e6
 """``logit_bias`` values are clamped to +-this (a larger one changes nothing a float32 softmax can show)."""
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+"""``sampling_seed`` bounds: what a torch generator takes (a signed or an unsigned 64-bit value)."""
+
+
+def generator_seed(seed: int, progress: int) -> int:
+    """The seed of a request's generator after ``progress`` tokens (a resumed request goes on from
+    its own seed and progress): ``seed + progress`` modulo 2**64, which is how torch reads a
+    negative seed too, so it never overflows the generator."""
+    return (seed + progress) % 2**64
 
 
 def check_computable(where: str, temperature: float, top_p: float, repetition_penalty: float,
@@ -90,6 +101,8 @@ class SamplingParams:
                                                         "presence_penalty", "repetition_penalty")})
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.sampling_seed is not None and not MIN_SEED <= self.sampling_seed <= MAX_SEED:
+            raise ValueError(f"sampling_seed must be in [{MIN_SEED}, {MAX_SEED}], got {self.sampling_seed}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
