@@ -35,7 +35,6 @@ Typical usage::
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from weightsync.engine.config import SHADOW_MODES
 from weightsync.engine.loader import LoadStats, load_checkpoint, load_dummy, run_post_load
 from weightsync.engine.model import Model
 from weightsync.engine.sampling import SamplingParams, generator_seed, prompt_logprobs, sample_tokens
+from weightsync.engine.stops import match_stop
 from weightsync.engine.tensor_payload import decode_named_tensors
 from weightsync.engine.tp import EngineGroups
 from weightsync.layout.sglang import engine_layout
@@ -569,7 +569,7 @@ class Engine:
             return
         if sp.stop_strs or sp.stop_regex:
             assert self.decode is not None
-            matched = _match_stop(self.decode([*req.prior_output_ids, *res.output_ids]), sp.stop_strs, sp.stop_regex)
+            matched = match_stop(self.decode([*req.prior_output_ids, *res.output_ids]), sp.stop_strs, sp.stop_regex)
             if matched is not None:
                 res.finish_reason = {"type": "stop", "matched": matched}
                 return
@@ -585,13 +585,3 @@ def _top(dist: torch.Tensor, n: int) -> TopLogprobs:
 def _picked(dist: torch.Tensor, ids: tuple[int, ...]) -> TopLogprobs:
     return [(float(dist[i]), i) for i in ids]
 
-
-def _match_stop(text: str, stop_strs: tuple[str, ...], stop_regex: tuple[str, ...]) -> str | None:
-    """The first stop string contained in ``text``, or the first pattern found in it."""
-    for s in stop_strs:
-        if s and s in text:
-            return s
-    for pattern in stop_regex:
-        if re.search(pattern, text):
-            return pattern
-    return None

@@ -6,7 +6,6 @@ field, :mod:`weightsync.engine.io_base`) and their conversion: body -> tokenized
 from __future__ import annotations
 
 import math
-import re
 import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -16,6 +15,7 @@ from pydantic import Field
 from weightsync.engine.engine import GenRequest, GenResult
 from weightsync.engine.io_base import Effect, NoteTable, RequestBody
 from weightsync.engine.sampling import MAX_ABS_LOGIT_BIAS, MAX_SEED, MIN_SEED, SamplingParams, check_computable
+from weightsync.engine.stops import MAX_STOP_CHARS, MAX_STOPS, check_stops
 from weightsync.engine.tokenizer import Tokenizer
 from weightsync.models.spec import ModelSpec
 
@@ -69,6 +69,9 @@ class SamplingParamsInput(RequestBody):
         "structural_tag": (Effect.UNSUPPORTED, "no grammar-constrained decoding"),
         "stream_interval": (Effect.NO_EFFECT, "a streamed answer is one chunk (batches run to completion)"),
         "custom_params": (Effect.NO_EFFECT, "no custom logit processors run here"),
+        "stop_regex": (Effect.SAME, f"matched by RE2 in linear time: backreferences and lookaround are refused "
+                                    f"(400); at most {MAX_STOPS} patterns of {MAX_STOP_CHARS} characters"),
+        "stop": (Effect.SAME, f"at most {MAX_STOPS} strings of {MAX_STOP_CHARS} characters"),
         "watermark": (Effect.UNSUPPORTED, "no watermarking"),
     }
 
@@ -264,11 +267,7 @@ def _sampling(sp: SamplingParamsInput, spec: ModelSpec, prompt_len: int, where: 
         if not math.isfinite(value):
             raise ValueError(f"{where}logit_bias[{tok}] must be a finite number, got {value}")
         bias.append((tid, max(-MAX_ABS_LOGIT_BIAS, min(MAX_ABS_LOGIT_BIAS, float(value)))))
-    for pattern in _as_tuple(sp.stop_regex):
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"{where}stop_regex {pattern!r} is not a regular expression ({exc})") from None
+    check_stops(_as_tuple(sp.stop), _as_tuple(sp.stop_regex), where)
     temperature = _or(sp.temperature, 1.0)
     floats = {name: _or(getattr(sp, name), default) for name, default in _SAMPLING_FLOATS.items()}
     check_computable(where, temperature, floats["top_p"], floats["repetition_penalty"], floats)
