@@ -13,7 +13,9 @@ Faults, on the p2p transport of the updater:
 * ``fail_write:K`` -- the first write raises, as a broken link does;
 * ``slow_writes:K:SECONDS`` -- every write completes ``SECONDS`` late (past a shorter deadline
   the wait raises ``TimeoutError``, as a transport's does);
-* ``kill_rank:K:RANK`` -- trainer rank ``RANK`` is SIGKILLed as the write starts.
+* ``kill_rank:K:RANK`` -- trainer rank ``RANK`` is SIGKILLed as the write starts;
+* ``stop_rank:K:RANK`` -- trainer rank ``RANK`` is SIGSTOPped as the write starts (a hang, not a
+  death: only SIGKILL ends it).
 """
 
 from __future__ import annotations
@@ -100,13 +102,21 @@ def slow_writes(worker: Any, arg: str) -> None:
     on_write(worker.updater, int(k), slowing(float(delay)))
 
 
-def kill_rank(worker: Any, arg: str) -> None:
+def _signal_rank(worker: Any, arg: str, sig: signal.Signals) -> None:
     k, rank = (int(x) for x in arg.split(":"))
     if worker.rank != rank:
         return
 
-    def die(transport: Any) -> Callable[[], None]:
-        os.kill(os.getpid(), signal.SIGKILL)
+    def fault(transport: Any) -> Callable[[], None]:
+        os.kill(os.getpid(), sig)
         return lambda: None
 
-    on_write(worker.updater, k, die)
+    on_write(worker.updater, k, fault)
+
+
+def kill_rank(worker: Any, arg: str) -> None:
+    _signal_rank(worker, arg, signal.SIGKILL)
+
+
+def stop_rank(worker: Any, arg: str) -> None:
+    _signal_rank(worker, arg, signal.SIGSTOP)

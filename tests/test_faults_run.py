@@ -2,7 +2,8 @@
 writes dropped at step k -- a client records the weight version of every answer an engine gives
 while the run goes on, and none is served from step k's unverified weights --, a trainer rank
 killed mid-update (its own death is what the run reports, at once), and the launcher killed
-(every process it started ends, no shm segment is left).
+(every process it started ends, no shm segment is left), and a trainer rank stopped by SIGSTOP (the
+run names it and ends, every wait bounded).
 
 The first two attach one engine (``--engine-urls``) that lives through the module: each failed
 run leaves it serving the old version (its updates are pause-free: what failed only ever reached
@@ -151,6 +152,49 @@ def test_writes_dropped_at_step_k_are_never_served(engine: str, e2e_ckpt: Path, 
         "version 2's answers have version 1's logprobs"
     s = _state(engine)
     assert (s["state"], s["weights_dirty"], s["weight_version"]) == ("serving", False, "3"), s
+
+
+@pytest.mark.timeout(400)
+def test_a_stopped_trainer_rank_ends_the_run_and_every_process(engine: str, e2e_ckpt: Path, tmp_path: Path):
+    """Trainer rank 1 SIGSTOPped as update 1 writes (a hang, not a death; SIGTERM stays pending on
+    it): the launcher names that rank's stopped process within the failure grace, stops every
+    process it started (SIGKILL for the stopped one) and exits 1, within the grace plus the stop
+    deadline and its kill step -- no join waits on the stopped rank. The engine keeps its old
+    version."""
+    out_path = tmp_path / "out.txt"
+    argv = [*RUN[:2], "--train", "tp=2,cp=1,world=2", "--rollout", "tp=1", "--mode", "p2p", "--num-rollout", "2",
+            "--engine-urls", engine, "--deadlines", "stop=5"]
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([PYTHON, "-m", "weightsync.cli", *argv], cwd=REPO_ROOT, stdout=out,
+                                stderr=subprocess.STDOUT,
+                                env=run_env(e2e_ckpt, tmp_path / "logs",
+                                            {"WEIGHTSYNC_FAULT_HOOK": "tests.fault_hooks:stop_rank:1:1"}))
+    children: list[int] = []
+    try:
+        end = time.monotonic() + 300
+        while "step 0:" not in out_path.read_text() and proc.poll() is None and time.monotonic() < end:
+            children = _descendants(proc.pid) or children
+            time.sleep(0.2)
+        assert "step 0:" in out_path.read_text(), out_path.read_text()[-3000:]
+        children = _descendants(proc.pid)
+        assert len(children) >= 2, children  # the two trainer ranks
+        t0 = time.monotonic()
+        rc = proc.wait(timeout=120)
+        took = time.monotonic() - t0
+        output = out_path.read_text()
+        assert rc == 1, output[-3000:]
+        assert "trainer rank 1 cannot answer update" in output, output[-3000:]
+        assert "is stopped (SIGSTOP)" in output, output[-3000:]
+        assert took < 2 + 5 + 2 * 5 + 30, f"{took:.0f} s"  # grace + stop + SIGTERM/SIGKILL steps + the exit
+        assert not [p for p in children if _alive(p)], "a trainer rank outlived the launcher"
+        s = _state(engine)
+        assert s["weight_version"] == "0", s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in children:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 def _descendants(pid: int) -> list[int]:

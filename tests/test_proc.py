@@ -3,11 +3,14 @@
 * a process that called :func:`die_with_parent` dies when its parent is killed outright (SIGKILL:
   no clean-up runs in the parent), so a killed launcher or engine rank 0 leaves no ranks behind;
 * a child whose parent is alive keeps running;
-* :func:`free_port` returns a port that can be bound.
+* :func:`free_port` returns a port that can be bound;
+* :func:`end_child` returns for a child that exits, one that ignores SIGTERM and one stopped by
+  SIGSTOP (SIGTERM stays pending on it), each reaped, and :func:`stopped_reason` names the stopped one.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.proc import free_port
+from weightsync.proc import end_child, free_port, stopped_reason
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,3 +90,29 @@ def test_free_port_can_be_bound() -> None:
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def _sleep(ignore_term: bool) -> None:
+    if ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(120)
+
+
+@pytest.mark.parametrize(("how", "ended"), [("exits", "exited (code 0)"), ("ignores SIGTERM", "killed"),
+                                            ("stopped", "killed"), ("plain", "terminated")])
+def test_end_child_always_returns_and_reaps(how: str, ended: str) -> None:
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=time.sleep if how == "exits" else _sleep,
+                    args=(0.0,) if how == "exits" else (how == "ignores SIGTERM",), daemon=True)
+    p.start()
+    if how != "exits":
+        time.sleep(1.0)  # started (and, for one, ignoring SIGTERM)
+    if how == "stopped":
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert "is stopped (SIGSTOP)" in stopped_reason(p.pid)
+    t0 = time.monotonic()
+    assert end_child(p, 0.5 if how != "exits" else 30.0) == ended
+    assert time.monotonic() - t0 < 20
+    assert not p.is_alive()
+    assert stopped_reason(p.pid) == ""

@@ -38,7 +38,7 @@ from typing import Any
 from weightsync.engine.config import ServeConfig
 from weightsync.layout.sglang_options import layout_options
 from weightsync.models.resolve import describe_model
-from weightsync.proc import die_with_parent, free_port
+from weightsync.proc import die_with_parent, end_child, free_port
 from weightsync.transport.config import NONE
 from weightsync.transport.registry import remove_leftovers
 
@@ -105,18 +105,12 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
 
 
 def _end_workers(procs: list[Any], grace_s: float) -> None:
-    """Wait for the rank processes (``grace_s``), terminate the ones left, and remove the transport
-    leftovers they could not (a rank killed mid-collective leaves its shm segments)."""
+    """Wait for the rank processes (``grace_s`` in all), end the ones left (SIGTERM, then SIGKILL),
+    and remove the transport leftovers they could not (a rank killed mid-collective leaves its shm
+    segments)."""
     end = time.monotonic() + grace_s
     for p in procs:
-        p.join(timeout=max(end - time.monotonic(), 0.1))
-        if p.is_alive():
-            logger.warning("engine rank process %s did not exit; terminating it", p.name)
-            p.terminate()
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        end_child(p, max(end - time.monotonic(), 0.1))
     left = remove_leftovers({p.pid for p in procs if p.pid is not None and not p.is_alive()})
     if left:
         logger.info("removed %d transport leftover(s) of the engine's ranks: %s", len(left), ", ".join(left))

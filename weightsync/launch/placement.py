@@ -45,7 +45,7 @@ from weightsync.launch.messages import Command, Reply, Started, Stop
 from weightsync.launch.procs import AttachedEngine, EngineProc, TrainerError
 from weightsync.launch.trainer_worker import WorkerConfig, worker_main
 from weightsync.models.fit import NodePlan
-from weightsync.proc import free_port
+from weightsync.proc import end_child, free_port, stopped_reason
 from weightsync.sync.engine_client import EngineClient, EngineError
 from weightsync.transport.net import is_loopback
 
@@ -117,7 +117,12 @@ class RankChannel(ABC):
 
     @abstractmethod
     def join(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for the rank to exit after :meth:`stop`, then end it."""
+        """Wait up to ``timeout_s`` for the rank to exit after :meth:`stop`, then end it (SIGTERM,
+        then SIGKILL: a hung or stopped rank too); returns in bounded time."""
+
+    def hung(self) -> str:
+        """Why the rank cannot answer although it runs (its process is stopped), or ""."""
+        return ""
 
 
 class Placement(ABC):
@@ -230,8 +235,9 @@ class Placement(ABC):
 
     def _collect(self, timeout_s: float, what: str) -> list[Any]:
         """Every rank's answer to ``what``, watching all ranks at once: the first rank that fails
-        (an error answer, or its exit) stops the wait within ``failure_grace_s`` -- the others,
-        often waiting for it in a collective, get that long to report -- and its error comes first.
+        (an error answer, its exit, or its process stopped for ``failure_grace_s``) stops the wait
+        within ``failure_grace_s`` -- the others, often waiting for it in a collective, get that
+        long to report -- and its error comes first.
 
         Raises:
             TrainerError: as :meth:`command`.
@@ -241,6 +247,7 @@ class Placement(ABC):
         out: list[Any] = [None] * len(self._ranks)
         waiting = set(range(len(self._ranks)))
         failures: list[tuple[float, str]] = []
+        hung_since: dict[int, float] = {}
         while waiting:
             for rank in sorted(waiting):
                 ch = self._ranks[rank]
@@ -261,6 +268,12 @@ class Placement(ABC):
                 if why and not ch.poll(0.05):  # its last answer may still be on the way
                     waiting.discard(rank)
                     failures.append((time.monotonic(), f"trainer rank {rank} died during {what} ({why})"))
+                    continue
+                stuck = ch.hung()
+                since = hung_since.setdefault(rank, time.monotonic()) if stuck else hung_since.pop(rank, None)
+                if stuck and since is not None and time.monotonic() - since >= grace:
+                    waiting.discard(rank)
+                    failures.append((since, f"trainer rank {rank} cannot answer {what}: {stuck}"))
             now = time.monotonic()
             if failures and waiting and now - failures[0][0] >= grace:
                 failures.append((now, f"trainer rank(s) {sorted(waiting)} did not answer {what} within {grace:g} s "
@@ -345,11 +358,11 @@ class _PipeChannel(RankChannel):
         with contextlib.suppress(OSError, ValueError):  # a rank that already exited
             self._conn.send(Stop())
 
+    def hung(self) -> str:
+        return stopped_reason(self.proc.pid)
+
     def join(self, timeout_s: float) -> None:
-        self.proc.join(timeout=timeout_s)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=5)
+        end_child(self.proc, timeout_s)
 
 
 class LocalPlacement(Placement):

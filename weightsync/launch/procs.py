@@ -8,15 +8,17 @@ they start is a :mod:`~weightsync.launch.placement`'s decision; it stops what it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from weightsync.launch.config import TOKEN_ENV
-from weightsync.proc import log_tail
+from weightsync.proc import KILL_AFTER_S, log_tail
 from weightsync.sync.engine_client import EngineClient
 from weightsync.transport import TransportConfig
 from weightsync.transport.config import receiver_argv
@@ -68,8 +70,12 @@ class EngineProc:
             try:
                 self.proc.wait(timeout=self.stop_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+                log.warning("engine %d (pid %d) did not stop within %.0f s; killing its process group", self.index,
+                            self.proc.pid, self.stop_s)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=KILL_AFTER_S)
         self._log.close()
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightsync.launch.messages import Command, Reply, Started, Stop
-from weightsync.proc import die_with_parent, free_port
+from weightsync.proc import die_with_parent, end_child, free_port
 
 if TYPE_CHECKING:
     from weightsync.launch.trainer_worker import WorkerConfig
@@ -138,15 +138,12 @@ class NodeAgent:
         return self._conn.recv()
 
     def stop_trainer(self, timeout_s: float) -> None:
-        """STOP the rank and wait up to ``timeout_s`` for it to exit, then end it."""
+        """STOP the rank and wait up to ``timeout_s`` for it to exit, then end it (SIGTERM, SIGKILL)."""
         if self._proc is None:
             return
         with contextlib.suppress(OSError, ValueError):
             self._conn.send(Stop())
-        self._proc.join(timeout=timeout_s)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout=5)
+        end_child(self._proc, timeout_s)
 
 
 __all__ = ["NodeAgent"]

@@ -1,21 +1,32 @@
-"""Process plumbing for every layer that starts processes: a free port, dying with the launcher.
+"""Process plumbing for every layer that starts processes: a free port, dying with the launcher,
+ending a child in bounded time.
 
 The engine server spawns its ranks, ``run`` spawns trainer ranks and engines, ``bench`` spawns one
-process per rank; each needs rendezvous ports and children that do not outlive whoever started
-them. One implementation of each lives here, on the ground floor (no weightsync imports), so that
-``engine`` and ``launch`` share it without importing each other.
+process per rank; each needs rendezvous ports, children that do not outlive whoever started them,
+and a way to end a child that always returns: a hung or stopped (SIGSTOP) child ignores SIGTERM
+until it runs again, so every stop is terminate, a grace, then SIGKILL (:func:`end_child`). One
+implementation of each lives here, on the ground floor (no weightsync imports), so that ``engine``
+and ``launch`` share it without importing each other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
 import os
 import signal
 import socket
+import time
+from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+KILL_AFTER_S = 5.0
+"""How long :func:`end_child` waits after SIGTERM before it sends SIGKILL (and after SIGKILL
+before it gives up reaping)."""
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option: the signal this process gets when its parent exits (Linux)."""
@@ -74,3 +85,54 @@ def stop_on_signals() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``R`` running, ``S`` / ``D`` sleeping, ``T`` stopped,
+    ``t`` stopped by a tracer, ``Z`` zombie), "" when it is gone or the state cannot be read
+    (elsewhere than Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[0] if fields else ""
+
+
+def stopped_reason(pid: int | None) -> str:
+    """Why process ``pid`` cannot answer although it exists ("" when it can, or is gone): it is
+    stopped (SIGSTOP, Ctrl-Z, or a debugger holds it)."""
+    if pid is None:
+        return ""
+    state = process_state(pid)
+    if state in ("T", "t"):
+        return f"its process (pid {pid}) is stopped ({'a debugger holds it' if state == 't' else 'SIGSTOP'})"
+    return ""
+
+
+def end_child(p: BaseProcess, grace_s: float) -> str:
+    """End child process ``p`` of this process in bounded time: wait up to ``grace_s`` for it to
+    exit, then SIGTERM and :data:`KILL_AFTER_S`, then SIGKILL and as long again to reap it. A
+    stopped or hung child is ended too (SIGTERM stays pending on a stopped process, SIGKILL does
+    not), so nothing waits on it forever, multiprocessing's exit-time join included.
+
+    Returns:
+        How it ended: ``exited (code N)``, ``terminated``, ``killed``, or ``not reaped`` (a process
+        in uninterruptible sleep that SIGKILL has not ended yet; the kernel ends it later).
+    """
+    if p.pid is None:
+        return "never started"
+    p.join(timeout=max(grace_s, 0.0))
+    if not p.is_alive():
+        return f"exited (code {p.exitcode})"
+    for how, send in (("terminated", p.terminate), ("killed", p.kill)):
+        with contextlib.suppress(OSError):
+            send()
+        end = time.monotonic() + KILL_AFTER_S
+        while p.is_alive() and time.monotonic() < end:
+            p.join(timeout=0.1)
+        if not p.is_alive():
+            log.warning("%s (pid %d) did not exit within %.0f s; %s", p.name, p.pid, grace_s, how)
+            return how
+    log.error("%s (pid %d) survives SIGKILL (uninterruptible sleep?); left to the kernel", p.name, p.pid)
+    return "not reaped"

@@ -151,8 +151,11 @@ class BroadcastReceiver:
         """
         self.start_init(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
                         world_size=world_size, group_name=group_name, backend=backend)
-        self._joining[group_name][0].join()
+        self._joining[group_name][0].join(timeout=self.timeout_s + 5.0)  # the join's own deadline comes first
         status = self.init_status(group_name)
+        if status == "pending":
+            raise RuntimeError(f"[rank{self.rank}] joining {group_name!r} at {master_address}:{master_port} did not "
+                               f"complete within {self.timeout_s:.0f} s")
         if status != "ok":
             raise RuntimeError(status)
         return f"joined {group_name!r} as rank {rank_offset + self.rank} of {world_size} ({backend})"

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from weightsync.launch.bench.config import GPU_ENV, BenchConfig
 from weightsync.launch.bench.worker import RankResult, rank_main
 from weightsync.launch.messages import Reply
+from weightsync.proc import end_child
 
 NT_THRESHOLD_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 NT_THRESHOLD_BYTES = 4 << 20
@@ -70,8 +71,7 @@ def run_processes(cfg: BenchConfig) -> list[RankResult]:
             if p.is_alive():
                 p.terminate()
         for p in procs:
-            if p.pid is not None:
-                p.join(timeout=10)
+            end_child(p, 10)
     return [got[r] for r in range(len(procs))]
 
 
