@@ -19,10 +19,11 @@ address when a peer -- the launcher or a trainer rank -- is on another host, and
 otherwise (:attr:`EngineEndpoint.remote`); rendezvous ports are picked on the host that binds them.
 
 Token: the engines' access token is the run's (``EnvSettings.token``, ``WEIGHTSYNC_TOKEN``), given
-to the placement; a placement whose engines bind an address beyond loopback makes one when none is
-given (an engine refuses to serve there without one). It reaches the engines in their environment
-(never on a command line) and is passed to every client: the launcher's, and the trainer ranks'
-through ``UpdaterConfig.token``.
+to the placement; when none is given, a placement that starts engines makes one for them, loopback
+included (another local user could otherwise pause, reset and publish on them), and writes it to
+``engine-token`` in the run's log directory (mode 0600). It reaches the engines in their
+environment (readable by their own user only, never on a command line) and is passed to every
+client: the launcher's, and the trainer ranks' through ``UpdaterConfig.token``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from weightsync.launch.trainer_worker import WorkerConfig, worker_main
 from weightsync.models.fit import NodePlan
 from weightsync.proc import end_child, free_port, stopped_reason
 from weightsync.sync.engine_client import EngineClient, EngineError
-from weightsync.transport.net import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +130,8 @@ class Placement(ABC):
 
     kind: str = ""
 
-    def __init__(self, log_dir: Path, nodes: NodePlan, *, token: str | None = None, needs_token: bool = False
-                 ) -> None:
-        """``token``: the engines' access token (None: none); ``needs_token``: engines will bind
-        beyond loopback, so make one when none is given."""
+    def __init__(self, log_dir: Path, nodes: NodePlan, *, token: str | None = None) -> None:
+        """``token``: the engines' access token (None: engines this run starts get one of their own)."""
         self.log_dir = log_dir
         self.nodes = nodes
         self.engines: list[EngineHandle] = []
@@ -142,9 +140,9 @@ class Placement(ABC):
         self.deadlines = Deadlines()
         """The run's deadlines (the session sets its own): HTTP calls, commands, the failure grace, stops."""
         self.token = token
-        """The engines' access token (module docstring); None: none."""
-        if self.token is None and needs_token:
-            self.token = secrets.token_urlsafe(32)
+        """The engines' access token (module docstring); None: none yet."""
+        self.token_file: Path | None = None
+        """Where the token this run made for its engines is (mode 0600); None: it made none."""
 
     # -- addresses ------------------------------------------------------------------------------
     @abstractmethod
@@ -167,6 +165,10 @@ class Placement(ABC):
         Raises:
             EngineError: an engine exited or did not become healthy; its log tail is in the message.
         """
+        if self.token is None:
+            self.token = secrets.token_urlsafe(32)
+            self.token_file = write_private(self.log_dir / TOKEN_FILE, self.token)
+            log.info("the engines' token of this run: %s (mode 0600)", self.token_file)
         for ep in self.engine_endpoints():
             if ep.remote:
                 log.info("engine %d serves on %s (reachable from other hosts: its control endpoints are open to the "
@@ -312,6 +314,22 @@ class Placement(ABC):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+TOKEN_FILE = "engine-token"
+"""The file in the run's log directory that holds the token a run made for its engines."""
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to a new file at ``path`` readable by this user only (mode 0600 from its
+    creation: never readable by others, not even for a moment); an existing file is replaced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
 COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "did not answer")
 """What a rank reports when a peer of its process group died or stopped answering (gloo's words):
 the consequence of another rank's failure, listed after it."""
@@ -374,7 +392,7 @@ class LocalPlacement(Placement):
     def __init__(self, log_dir: Path, nodes: NodePlan, *, host: str = LOOPBACK, token: str | None = None) -> None:
         if nodes.num_nodes != 1:
             raise ValueError(f"a local placement runs on one host; this run spans {nodes.num_nodes} nodes")
-        super().__init__(log_dir, nodes, token=token, needs_token=not is_loopback(host))
+        super().__init__(log_dir, nodes, token=token)
         self.host = host
 
     def trainer_host(self, rank: int) -> str:

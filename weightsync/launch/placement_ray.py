@@ -129,7 +129,7 @@ class RayPlacement(Placement):
 
         from weightsync.launch.ray_agent import NodeAgent
 
-        super().__init__(log_dir, nodes, token=token, needs_token=True)
+        super().__init__(log_dir, nodes, token=token)
         if nodes.num_nodes != len(cluster.nodes):
             raise ClusterError(f"the run's plan spans {nodes.num_nodes} nodes, the cluster has {len(cluster.nodes)}")
         self.cluster = cluster
