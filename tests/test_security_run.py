@@ -7,8 +7,14 @@ directory readable by everyone), checked while it runs:
 * another user (uid 65534) reads neither that file nor the engine's environment, and its
   ``pause_generation``, ``reset_tensors``, ``update_weight_version`` and ``begin_weight_update``
   answer 401 (before, it paused, reset and published, and the engine served random weights);
+* every listening socket of the trainer ranks (rank 0's process-group store, the gloo pairs, the
+  weight-update group's store) is bound to loopback: a peer in another network namespace, routed
+  to this host's address on a link of its own, is refused at each of their ports, while the same
+  peer reaches a socket bound to every interface there (the route works: the binding refuses it);
 * the run then finishes with every update verified and every validation passed: nothing the other
   user sent reached the engine.
+
+The namespace is this test's own (198.18.0.0/15, reserved for network tests), made and removed here.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import textwrap
@@ -28,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e_helpers import PYTHON, REPO_ROOT, e2e_ckpt_fixture, run_env  # noqa: F401 -- the e2e_ckpt fixture
+from weightsync.transport.net import Listener, is_loopback, listening_sockets
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -151,6 +159,7 @@ def test_a_runs_engines_and_trainer_ranks_are_closed_to_others(peer: str, e2e_ck
         assert len(engines) == 1, [_cmdline(p) for p in pids]
         assert len(trainers) == 2, [_cmdline(p) for p in pids]
         _check_token(log_dir, engines[0], [proc.pid, *pids])
+        _check_listeners(peer, trainers)
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
@@ -179,3 +188,17 @@ def _check_token(log_dir: Path, engine: int, pids: list[int]) -> None:
     assert seen == {"token_file": "denied", "environ": "denied", "/health": 200, "/pause_generation": 401,
                     "/weights_checker": 401, "/update_weight_version": 401, "/begin_weight_update": 401}, seen
 
+
+def _check_listeners(ns: str, trainers: list[int]) -> None:
+    listeners: dict[int, list[Listener]] = {p: listening_sockets(p) for p in trainers}
+    assert all(listeners.values()), f"both trainer ranks listen (store, gloo pairs): {listeners}"
+    wide = [(p, lst) for p, ls in listeners.items() for lst in ls if not is_loopback(lst.address)]
+    assert not wide, f"trainer listeners beyond loopback: {wide}"
+    ports = sorted({lst.port for ls in listeners.values() for lst in ls})
+    with socket.socket() as open_to_all:  # the control: a socket bound to every interface
+        open_to_all.bind(("0.0.0.0", 0))
+        open_to_all.listen()
+        control = open_to_all.getsockname()[1]
+        seen = _from_peer(ns, [control, *ports])
+    assert seen.pop(str(control)) == "connected", "the peer does not reach this host at all"
+    assert set(seen.values()) == {"ConnectionRefusedError"}, seen

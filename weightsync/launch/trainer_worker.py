@@ -19,7 +19,9 @@ Trainer backends (:attr:`WorkerConfig.trainer`):
 
 The rank's transport publishes the address of its own node (:attr:`WorkerConfig.host`, which the
 placement sets per rank): the updater opens the run's transport configuration bound to it
-(:func:`updater_config`), as it binds its own GPU.
+(:func:`updater_config`), as it binds its own GPU. Its process group listens there too: rank 0's
+store on the master address only, every rank's gloo pairs on that address's interface
+(:func:`bind_collectives`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from weightsync.models.parallel import RolloutParallel, TrainParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.sync.updater import UpdaterConfig, UpdateStats, WeightUpdater
 from weightsync.transport import TransportConfig
+from weightsync.transport.net import bound_store, interface_of
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +127,11 @@ class Worker:
         megatron = cfg.trainer == "megatron"
         backend = "nccl" if megatron and cfg.device == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
-        dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}", rank=rank,
-                                world_size=cfg.train.world_size, timeout=timeout)
+        bind_collectives(cfg.host)
+        # rank 0's store listens on the advertised address only (torch's own binds every interface)
+        store = bound_store(cfg.master_addr, cfg.master_port, cfg.train.world_size, is_master=rank == 0,
+                            timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=cfg.train.world_size, timeout=timeout)
         # The updater's group: control messages are host objects (gloo), whatever trains on NCCL.
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.updater: WeightUpdater | None = None
@@ -222,6 +228,17 @@ class Worker:
             destroy_parallel_state()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def bind_collectives(host: str) -> None:
+    """The rank's gloo pairs (and NCCL's bootstrap) listen on the interface of ``host``, the
+    address peers reach this rank at, unless the environment names one (``GLOO_SOCKET_IFNAME``,
+    ``NCCL_SOCKET_IFNAME``: a multi-node run's agents set them); without it gloo binds the
+    address of the host's name, an interface the run does not use."""
+    iface = interface_of(host)
+    if iface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
 
 
 def updater_config(config: UpdaterConfig, host: str) -> UpdaterConfig:
