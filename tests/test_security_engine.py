@@ -4,7 +4,8 @@ Qwen3-MoE, one per module):
 * with a token, every route but ``/health`` answers 401 without it and 403 with another one;
   ``/docs`` and ``/openapi.json`` exist only when asked for;
 * a weight write outside ``begin_weight_update ... end_weight_update`` is refused (sglang
-  0.5.23's rule) and changes no byte; a foreign broadcast group cannot push weights into a
+  0.5.23's rule) and changes no byte; ``reset_tensors`` between an ended session and its
+  publication is refused and changes no byte; a foreign broadcast group cannot push weights into a
   serving engine; announcements whose dtype or shape is not the parameter's are refused naming
   the tensor (no silent casts);
 * dirty weights are never served: ``reset_tensors -> begin -> end`` with nothing written leaves
@@ -338,6 +339,24 @@ def test_abort_leaves_dirty_at_the_old_version_and_a_later_session_recovers(clie
     assert _checksums(client) == before
     _ok(client.post("/continue_generation", json={}))
     assert _gen(client).json()["meta_info"]["weight_version"] == "v2"
+
+
+def test_reset_is_refused_between_an_update_and_its_publication(client: TestClient, ckpt: str) -> None:
+    """A reset after ``end_weight_update`` would have the holder publish random weights as the
+    version it verified: 409, nothing reset, and the publication serves what the session wrote."""
+    before, out = _checksums(client), _gen(client).json()["output_ids"]
+    _ok(client.post("/pause_generation", json={}))
+    _ok(client.post("/begin_weight_update", json={}))
+    _ok(client.post("/update_weights_from_disk", json={"model_path": ckpt}))
+    assert _ok(client.post("/end_weight_update", json={}))["state"] == "ended"
+    r = client.post("/weights_checker", json={"action": "reset_tensors"})
+    assert r.status_code == 409, r.text
+    assert "publication" in _message(r)
+    assert _state(client)["state"] == "ended"
+    assert _checksums(client) == before
+    _ok(client.post("/update_weight_version", json={"new_version": "v1"}))
+    _ok(client.post("/continue_generation", json={}))
+    assert _gen(client).json()["output_ids"] == out
 
 
 # -- limits, input, errors -----------------------------------------------------------------------

@@ -185,11 +185,15 @@ TRANSITIONS: tuple[Rule, ...] = (
              "begin, write, end", note="a write outside a session (sglang 0.5.23's rule too); nothing is written"),
     Rule((SU, SE), Event.RESET, None, refuse=Conflict, why="reset_tensors during a pause-free weight update; abort "
          "it, or pause first"),
-    Rule((S, P, U, E), Event.RESET, None, When.GENERATING, Conflict, "reset_tensors while generation is in progress"
+    Rule((E,), Event.RESET, None, refuse=Conflict,
+         why="the weight update ended and awaits its holder's verification and publication: a reset now would have it "
+             "publish weights it did not write; call /abort_weight_update first",
+         note="the holder would publish random weights as its verified version"),
+    Rule((S, P, U), Event.RESET, None, When.GENERATING, Conflict, "reset_tensors while generation is in progress"
          + PAUSE_FIRST),
     Rule((S,), Event.RESET, P, note="dirty; queued requests answered 503"),
-    Rule((U,), Event.RESET, None, note="dirty; the session wrote"),
-    Rule((P, E), Event.RESET, None, note="dirty (paused: queued requests answered 503)"),
+    Rule((U,), Event.RESET, None, note="dirty; the session wrote (its holder's verification sees it)"),
+    Rule((P,), Event.RESET, None, note="dirty; queued requests answered 503"),
     Rule((S, P, E, SE), Event.END, None, refuse=Conflict, why="no weight update in progress; call "
          "/begin_weight_update first"),
     Rule((U,), Event.END, P, When.NOTHING_WRITTEN, note="post-load; nothing to publish: the session closes, dirty "
