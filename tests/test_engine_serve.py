@@ -176,6 +176,9 @@ def test_serve_cli_options_are_pinned() -> None:
         "--collective-timeout-s",
         "--shadow",
         "--in-flight-at-flip",
+        "--max-connections",
+        "--header-timeout-s",
+        "--body-timeout-s",
         "--log-level",
     }
     args = parser.parse_args(["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--dp", "2"])

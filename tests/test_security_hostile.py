@@ -5,7 +5,11 @@ greedy request with the same tokens as before, and publishes nothing it did not 
 
 * a stop pattern that backtracks catastrophically in Python's ``re`` (``(a+)+b`` while
   ``logit_bias`` forces ``a``) costs linear time: health checks and a pause answer while it
-  generates, and the request finishes; a backreference is a 400 naming the pattern.
+  generates, and the request finishes; a backreference is a 400 naming the pattern;
+* slowloris: 1,100 connections that send half their headers (more than the engine's descriptor
+  limit) while 8 legitimate requests come in: every legitimate request is answered; a stalled
+  connection is closed (408) after the header deadline, a trickled body after the body deadline;
+  a request without the token is answered 401 before its body is sent.
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ from __future__ import annotations
 import os
 import resource
 import secrets
+import selectors
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,8 +45,11 @@ A = 97
 """The byte tokenizer's id of ``a``."""
 
 
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 3.0, 5.0
+
+
 def _limit_fds() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (ENGINE_FD_LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (ENGINE_FD_LIMIT, ENGINE_FD_LIMIT))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +62,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     port = free_port()
     log = tmp / "engine.log"
     argv = [sys.executable, "-m", "weightsync.cli", "serve", "Qwen3-4B", "--scale", "tiny", "--load-format", "dummy",
-            "--tp", "2", "--port", str(port), "--token-file", str(token_file), "--log-level", "warning"]
+            "--tp", "2", "--port", str(port), "--token-file", str(token_file), "--log-level", "warning",
+            "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S)]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True,
                                 preexec_fn=_limit_fds)
@@ -116,4 +127,118 @@ def test_a_backtracking_stop_pattern_costs_linear_time(engine: dict[str, Any]) -
     message = refused.json()["error"]["message"]
     assert "stop_regex" in message, message
     assert "backreferences" in message, message
+    assert_serving(engine)
+
+
+# -- slowloris -------------------------------------------------------------------------------------
+
+
+HALF = b"POST /generate HTTP/1.1\r\nhost: engine\r\ncontent-type: application/json\r\n"
+"""Half a request's headers (the blank line that ends them never comes)."""
+
+
+class Slowloris:
+    """Holds ``n`` connections that each sent half their headers, reopening each one the engine
+    closes, until stopped."""
+
+    def __init__(self, port: int, n: int) -> None:
+        self.port = port
+        self.n = n
+        self.reopened = 0
+        self.timeouts = 0
+        """Connections the engine answered 408 before closing."""
+        self._sel = selectors.DefaultSelector()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self) -> None:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        s.sendall(HALF)
+        s.setblocking(False)
+        self._sel.register(s, selectors.EVENT_READ)
+
+    def __enter__(self) -> Slowloris:
+        for _ in range(self.n):
+            self._open()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(timeout=0.2):
+                s = key.fileobj
+                try:
+                    data = s.recv(4096)
+                except OSError:
+                    data = b""
+                self.timeouts += data.startswith(b"HTTP/1.1 408")
+                self._sel.unregister(s)
+                s.close()
+                if not self._stop.is_set():
+                    self._open()
+                    self.reopened += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        for key in list(self._sel.get_map().values()):
+            key.fileobj.close()
+        self._sel.close()
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_half_sent_requests_cannot_lock_out_legitimate_ones(engine: dict[str, Any]) -> None:
+    """More stalled connections than the engine has descriptors, reopened as fast as they are
+    closed: 8 legitimate requests, each on a connection of its own, are all answered (before, 0
+    of 8 in 40 s); the engine's descriptors stay below its limit and return to where they were."""
+    url, port, pid = engine["url"], int(engine["url"].rsplit(":", 1)[1]), engine["proc"].pid
+    before = _fds(pid)
+    with Slowloris(port, 1100) as attack:
+        time.sleep(1.0)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: _post(url, "/generate", GREEDY, 40.0), range(8)))
+        during = _fds(pid)
+    assert [a.status_code for a in answers] == [200] * 8, [a.text[:200] for a in answers]
+    assert all(a.json()["output_ids"] == engine["greedy"] for a in answers)
+    assert attack.reopened > 0, "the engine kept every stalled connection"
+    assert during < ENGINE_FD_LIMIT, during
+    end = time.monotonic() + 30
+    while _fds(pid) > before + 16 and time.monotonic() < end:
+        time.sleep(0.5)
+    assert _fds(pid) <= before + 16, (before, _fds(pid))
+    assert_serving(engine)
+
+
+def test_stalled_requests_are_closed_at_their_deadlines(engine: dict[str, Any]) -> None:
+    port = int(engine["url"].rsplit(":", 1)[1])
+
+    def closed_after(s: socket.socket) -> tuple[float, bytes]:
+        t0 = time.monotonic()
+        s.settimeout(60)
+        data = s.recv(4096)
+        while data and s.recv(4096):  # up to the close
+            pass
+        return time.monotonic() - t0, data
+
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(HALF)
+        took, data = closed_after(s)
+    assert data.startswith(b"HTTP/1.1 408"), data
+    assert HEADER_TIMEOUT_S <= took < HEADER_TIMEOUT_S + 5, took
+    body = b'{"input_ids": [1, 2, 3]}'
+    head = (f"POST /generate HTTP/1.1\r\nhost: engine\r\nauthorization: Bearer {TOKEN}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(head + body[:5])  # a body that stops coming
+        took, data = closed_after(s)
+    assert BODY_TIMEOUT_S <= took < BODY_TIMEOUT_S + 5, (took, data)
+    no_token = (b"POST /generate HTTP/1.1\r\nhost: engine\r\ncontent-type: application/json\r\n"
+                b"content-length: 100000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(no_token)  # and no body: the token is checked first
+        s.settimeout(HEADER_TIMEOUT_S)
+        assert s.recv(4096).startswith(b"HTTP/1.1 401"), "the token is checked before the body is read"
     assert_serving(engine)

@@ -96,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-flight-at-flip", choices=IN_FLIGHT_AT_FLIP, default="keep",
                         help="what a pause-free update's flip does to running requests: keep (they go on, their "
                         "KV kept), recompute (re-prefilled under the new weights) or abort")
+    parser.add_argument("--max-connections", type=int, default=2048,
+                        help="HTTP connections at once (kept below the descriptor limit); beyond, the one stalled "
+                        "longest in sending its request is closed")
+    parser.add_argument("--header-timeout-s", type=float, default=10.0,
+                        help="a request's headers must arrive within this long (else the connection is closed, 408)")
+    parser.add_argument("--body-timeout-s", type=float, default=60.0,
+                        help="a request's body must arrive within this long of its first byte")
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 
@@ -150,6 +157,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         collective_timeout_s=args.collective_timeout_s,
         shadow=args.shadow,
         in_flight_at_flip=args.in_flight_at_flip,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
     )
 
 

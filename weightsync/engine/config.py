@@ -105,6 +105,14 @@ class ServeConfig:
     in_flight_at_flip: str = "keep"
     """What a pause-free update's flip does to the running requests: ``keep`` (they go on under the
     new version, their KV kept), ``recompute`` (re-prefilled under the new version) or ``abort``."""
+    max_connections: int = 2048
+    """HTTP connections at once (lowered to stay below the descriptor limit); beyond, the connection
+    stalled longest in sending its request is closed (:mod:`weightsync.engine.http_guard`)."""
+    header_timeout_s: float = 10.0
+    """A request's headers must arrive within this long of the connection's start (or of the request's
+    first byte); else the connection is closed (408)."""
+    body_timeout_s: float = 60.0
+    """A request's body must arrive within this long of its first byte; else the connection is closed."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -123,7 +131,7 @@ class ServeConfig:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         for name in ("max_request_bytes", "max_queued_requests", "request_timeout_s", "group_timeout_s",
-                     "collective_timeout_s"):
+                     "collective_timeout_s", "max_connections", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.shadow not in SHADOW_MODES:

@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from weightsync.engine.control import RankError
 from weightsync.engine.io_generate import GenerateReqInput, to_gen_requests, to_response
@@ -191,13 +192,17 @@ async def read_body(request: Request, limit: int) -> bytes:
 
     Raises:
         TooLarge: the body is longer.
+        BadBody: the client went away before its body arrived.
     """
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"request body over {limit} bytes (the engine's max_request_bytes)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"request body over {limit} bytes (the engine's max_request_bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-body (or closed by the connection guard's deadline)
+        raise BadBody("the client closed the connection before its body arrived") from None
     return b"".join(chunks)
 
 
@@ -205,7 +210,8 @@ async def parse_body(request: Request, model: type[B], limit: int = DEFAULT_MAX_
     """The request's JSON body as ``model``; an absent body is ``{}`` (every field's default).
 
     Raises:
-        BadBody: malformed JSON, or a body that does not validate (the message names the fields).
+        BadBody: malformed JSON, a body that does not validate (the message names the fields), or
+            the client went away before its body arrived.
         TooLarge: a body over ``limit`` bytes.
     """
     raw = await read_body(request, limit)

@@ -156,6 +156,7 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
 
     from weightsync.engine.control import Driver, Op
     from weightsync.engine.http_api import ServerContext, build_app
+    from weightsync.engine.http_guard import ACCEPT_BACKLOG, ConnectionGuard, connection_cap
     from weightsync.engine.scheduler import Scheduler
     from weightsync.engine.session import UpdateSessions
     from weightsync.engine.tokenizer import load_tokenizer
@@ -184,6 +185,11 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     info = server_info(cfg, engine.spec, par, model_path=cfg.checkpoint or config_dir, tokenizer=tokenizer.name)
     info["weightsync"]["shadow"] = {"pause_free": sessions.shadow, "ranks": [i.shadow for i in infos],
                                     "in_flight_at_flip": cfg.in_flight_at_flip}
+    guard = ConnectionGuard(max_connections=connection_cap(cfg.max_connections), header_timeout_s=cfg.header_timeout_s,
+                            body_timeout_s=cfg.body_timeout_s)
+    if guard.max_connections < cfg.max_connections:
+        logger.info("at most %d HTTP connections (the descriptor limit leaves no room for %d)", guard.max_connections,
+                    cfg.max_connections)
     sched.start()
     try:
         server = uvicorn.Server(
@@ -205,6 +211,8 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
                 port=cfg.port,
                 log_level=log_level,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                http=guard.protocol(),
+                backlog=ACCEPT_BACKLOG,
             )
         )
         logger.info(
