@@ -9,12 +9,17 @@ greedy request with the same tokens as before, and publishes nothing it did not 
 * slowloris: 1,100 connections that send half their headers (more than the engine's descriptor
   limit) while 8 legitimate requests come in: every legitimate request is answered; a stalled
   connection is closed (408) after the header deadline, a trickled body after the body deadline;
-  a request without the token is answered 401 before its body is sent.
+  a request without the token is answered 401 before its body is sent;
+* work and memory are counted before anything is allocated: ``"n": 2000000`` in an 80-byte body
+  is a 413 at once with no memory growth, a body declared longer than any valid ``/generate`` a
+  413 before it is sent, and 8 large bodies at once stay within the budget of bodies parsed at once.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import resource
 import secrets
 import selectors
@@ -26,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -241,4 +247,55 @@ def test_stalled_requests_are_closed_at_their_deadlines(engine: dict[str, Any]) 
         s.sendall(no_token)  # and no body: the token is checked first
         s.settimeout(HEADER_TIMEOUT_S)
         assert s.recv(4096).startswith(b"HTTP/1.1 401"), "the token is checked before the body is read"
+    assert_serving(engine)
+
+
+# -- work and memory budgets --------------------------------------------------------------------------
+
+
+def _mb(pid: int, field: str) -> float:
+    """``VmRSS`` / ``VmHWM`` (the peak since the last reset) of ``pid``, in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def _reset_peak(pid: int) -> float:
+    """Reset the peak resident size of ``pid`` (Linux ``clear_refs`` 5); its resident size now."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _mb(pid, "VmRSS")
+
+
+def test_work_and_memory_are_counted_before_allocating(engine: dict[str, Any]) -> None:
+    url, port, pid = engine["url"], int(engine["url"].rsplit(":", 1)[1]), engine["proc"].pid
+    base = _reset_peak(pid)
+    t0 = time.monotonic()
+    r = _post(url, "/generate", {"input_ids": [1], "sampling_params": {"n": 2_000_000, "max_new_tokens": 1}})
+    took = time.monotonic() - t0
+    assert r.status_code == 413, r.text
+    assert "2000000 generations" in r.json()["error"]["message"]
+    assert took < 10, f"{took:.1f} s (it took 134 s and +836 MB when the requests were built first)"
+    head = (f"POST /generate HTTP/1.1\r\nhost: engine\r\nauthorization: Bearer {TOKEN}\r\n"
+            f"content-type: application/json\r\ncontent-length: {50 << 20}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(head)  # the body never comes: the declared length is refused on the headers
+        s.settimeout(HEADER_TIMEOUT_S)
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"for /generate" in answer, answer
+    grew = _mb(pid, "VmHWM") - base
+    assert grew < 20, f"+{grew:.0f} MB"
+
+    big = json.dumps({"input_ids": [random.randrange(300) for _ in range(4_000_000)],
+                      "sampling_params": {"max_new_tokens": 1}}).encode()
+    base = _reset_peak(pid)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: httpx.post(f"{url}/generate", content=big, timeout=120,
+                                                     headers={**AUTH, "content-type": "application/json"}), range(8)))
+    grew = _mb(pid, "VmHWM") - base
+    assert [a.status_code for a in answers] == [400] * 8, [a.text[:200] for a in answers]
+    assert "exceeds the context length" in answers[0].json()["error"]["message"]
+    print(f"8 bodies of {len(big) / 1e6:.1f} MB at once: rank 0 peaked at +{grew:.0f} MB")
+    assert grew < 8 * 64, f"+{grew:.0f} MB"
     assert_serving(engine)

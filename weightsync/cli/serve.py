@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--die-with-parent", action="store_true",
                         help="stop (as on SIGTERM) when the process that started this engine dies (a launcher; "
                         "Linux ties it to the starting thread)")
-    parser.add_argument("--max-request-mb", type=float, default=256.0, help="larger request bodies get 413")
+    parser.add_argument("--max-request-mb", type=float, default=64.0,
+                        help="larger request bodies get 413; also the bodies parsed at once (more wait, then 503)")
     parser.add_argument("--max-queued-requests", type=int, default=1024,
                         help="generation requests waiting or running at once (429 beyond)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0,

@@ -89,8 +89,9 @@ class ServeConfig:
     """Serve ``/docs`` and ``/openapi.json`` (off by default)."""
     die_with_parent: bool = False
     """End the engine (SIGTERM: a clean stop, shm unlinked) when the process that started it dies."""
-    max_request_bytes: int = 256 << 20
-    """Larger request bodies are refused (413)."""
+    max_request_bytes: int = 64 << 20
+    """Larger request bodies are refused (413); also the budget of bodies parsed at once (a parse
+    costs several times the body)."""
     max_queued_requests: int = 1024
     """Generation requests waiting or running at once (429 beyond; a single request of more prompts: 413)."""
     request_timeout_s: float = 600.0

@@ -20,10 +20,12 @@ Status codes and error bodies follow sglang (``entrypoints/http_server.py``):
   rank -> 400 ``{"error": {"message"}}``; ``/flush_cache`` answers text;
 * a weight write outside ``begin_weight_update ... end_weight_update`` -> 400 (sglang 0.5.23's
   rule); generation while the weights are dirty outside an update, on a faulted or stopping
-  engine -> 503; a full queue -> 429; a body over ``max_request_bytes`` or more prompts than the
-  queue takes -> 413; a bounded wait that expired -> 504; a ``/generate`` not answered within
-  ``request_timeout_s`` -> 503 (the request is aborted). No answer carries a traceback (they are
-  logged).
+  engine -> 503; a full queue -> 429; a body over ``max_request_bytes`` (a ``/generate`` body longer
+  than its queue's prompts at the context length could be), or more generations than the queue
+  takes -> 413, before the body is read or anything is built for it; no room in the budget of
+  bodies parsed at once within its wait -> 503; a bounded wait that expired -> 504; a ``/generate``
+  not answered within ``request_timeout_s`` -> 503 (the request is aborted). No answer carries a
+  traceback (they are logged).
 
 Access: with a token (:attr:`ServerContext.token`) every route but ``/health`` needs
 ``Authorization: Bearer <token>`` (401 without, 403 with another; compared in constant time).
@@ -38,6 +40,7 @@ Typical usage::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -56,6 +59,8 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from weightsync.engine.control import RankError
+from weightsync.engine.http_guard import BodyBudget, Busy
+from weightsync.engine.io_base import TooLarge
 from weightsync.engine.io_generate import GenerateReqInput, to_gen_requests, to_response
 from weightsync.engine.io_struct import (
     AbortReq,
@@ -118,8 +123,11 @@ OPEN_ROUTES = ("/health",)
 """Routes answered without the token (liveness probes)."""
 SESSION_HEADER = "x-weightsync-session"
 """A call that carries it must belong to the engine's current update session."""
-DEFAULT_MAX_REQUEST_BYTES = 256 << 20
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+GENERATE_BYTES_PER_TOKEN = 32
+"""More JSON bytes than a valid ``/generate`` body spends per prompt token (an id and its comma; a
+text token's characters, escaped)."""
 
 B = TypeVar("B", bound=RequestBody)
 
@@ -143,14 +151,13 @@ class ServerContext:
     """Bodies larger than this are refused (413)."""
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     """A ``/generate`` not answered within this long is aborted (503)."""
+    parse_budget_bytes: int | None = None
+    """Bytes of bodies read and parsed at once (:class:`~weightsync.engine.http_guard.BodyBudget`);
+    None: ``max_request_bytes``."""
 
 
 class BadBody(ValueError):
     """A request body that does not validate (HTTP 400, sglang's ``ErrorResponse``)."""
-
-
-class TooLarge(Exception):
-    """A request larger than the engine takes (HTTP 413)."""
 
 
 class RouteError(Exception):
@@ -206,15 +213,24 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def parse_body(request: Request, model: type[B], limit: int = DEFAULT_MAX_REQUEST_BYTES) -> B:
-    """The request's JSON body as ``model``; an absent body is ``{}`` (every field's default).
+async def parse_body(request: Request, model: type[B], limit: int = DEFAULT_MAX_REQUEST_BYTES,
+                     budget: BodyBudget | None = None) -> B:
+    """The request's JSON body as ``model``; an absent body is ``{}`` (every field's default). While
+    it is read and parsed it holds its share of ``budget`` (:class:`~weightsync.engine.http_guard.BodyBudget`).
 
     Raises:
+        Busy: no room in the budget in time.
         BadBody: malformed JSON, a body that does not validate (the message names the fields), or
             the client went away before its body arrived.
         TooLarge: a body over ``limit`` bytes.
     """
-    raw = await read_body(request, limit)
+    declared = request.headers.get("content-length", "")
+    async with (budget.hold(int(declared) if declared.isdigit() else limit) if budget is not None
+                else contextlib.nullcontext()):
+        return _validate(await read_body(request, limit), model)
+
+
+def _validate(raw: bytes, model: type[B]) -> B:
     try:
         return model.model_validate_json(raw if raw.strip() else b"{}")
     except ValidationError as exc:
@@ -295,6 +311,7 @@ ERROR_STATUS: tuple[tuple[type[Exception], int], ...] = (
     (QueueFull, QueueFull.http_status),
     (Unavailable, Unavailable.http_status),
     (EngineTimeout, EngineTimeout.http_status),
+    (Busy, Busy.http_status),
 )
 """Refusals by exception type (the most specific class wins) and their HTTP status."""
 
@@ -312,6 +329,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
     sessions, tok = ctx.sessions, ctx.tokenizer
     sched = sessions.scheduler
     limit = ctx.max_request_bytes
+    # no valid /generate is longer than its tokens can be (the queue's prompts at the context length)
+    generate_limit = min(limit, sched.max_queued_requests * sched.spec.max_position_embeddings
+                         * GENERATE_BYTES_PER_TOKEN + (1 << 20))
+    budget = BodyBudget(ctx.parse_budget_bytes or limit)
 
     def control(status: int, message: str) -> JSONResponse:
         return JSONResponse({"success": False, "message": message}, status_code=status)
@@ -331,8 +352,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
             if not hmac.compare_digest(given.encode(), ctx.token.encode()):
                 return _error_response(403, "wrong token")
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            return refusal(request, 413, f"request body of {declared} bytes is over the engine's limit of {limit}")
+        most = generate_limit if request.url.path == "/generate" else limit
+        if declared.isdigit() and int(declared) > most:
+            return refusal(request, 413, f"request body of {declared} bytes is over the engine's limit of {most}"
+                           + (" for /generate (its queue's prompts at the context length)" if most < limit else ""))
         return await call_next(request)
 
     @app.exception_handler(BadBody)
@@ -369,7 +392,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def body_of(request: Request, model: type[B]) -> B:
-        return await parse_body(request, model, limit)
+        return await parse_body(request, model, generate_limit if model is GenerateReqInput else limit, budget)
 
     def session_of(request: Request) -> str | None:
         return request.headers.get(SESSION_HEADER) or None
@@ -382,10 +405,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def generate(request: Request) -> Any:
         body = await body_of(request, GenerateReqInput)
         t0 = time.perf_counter()
-        reqs, is_batch, sps = await run(to_gen_requests, body, sched.spec, tok)
-        if len(reqs) > sched.max_queued_requests:
-            raise TooLarge(f"a request of {len(reqs)} prompts: the engine queues at most "
-                           f"{sched.max_queued_requests} (split it)")
+        reqs, is_batch, sps = await run(to_gen_requests, body, sched.spec, tok, sched.max_queued_requests)
         futures = sched.submit(reqs)
         try:
             done = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)),

@@ -1,5 +1,6 @@
-"""The engine's HTTP connections, bounded: a cap below the process's descriptor limit, a deadline to
-receive each request, and stalled connections evicted before anyone else.
+"""The engine's HTTP connections and request bodies, bounded: a cap below the process's descriptor
+limit, a deadline to receive each request, stalled connections evicted before anyone else, and a
+budget of body bytes parsed at once (:class:`BodyBudget`).
 
 uvicorn (with h11) never times out a request that is being received: a client that opens a
 connection and sends half its headers, or its headers and then a trickle of body, holds a
@@ -11,7 +12,8 @@ guard:
 
 * closes a connection whose headers have not all arrived within ``header_timeout_s`` of its start
   (or of its request's first byte), or whose body has not within ``body_timeout_s`` (answering
-  ``408`` when no request is under way);
+  ``408`` when no request is under way); while the engine itself stops reading a body (flow
+  control: its app waits for room to parse it), the clock waits too;
 * holds at most ``max_connections``, kept below the descriptor limit by more than the accept
   backlog (so that ``accept`` never fails): a connection beyond the cap evicts the one that has
   been receiving the longest, else an idle keep-alive one; when every connection is waiting for its
@@ -20,16 +22,23 @@ guard:
 
 The token is the next check (the app's middleware, on the headers, before any body byte is read);
 idle keep-alive connections close after uvicorn's ``timeout_keep_alive``.
+
+Parsing a JSON body costs several times its size (a list of token ids as Python objects: about
+8 times), so the bodies being read and parsed at once hold a share of a :class:`BodyBudget` (their
+declared length, or the limit when undeclared); one that does not fit waits, at most
+``wait_s``, then is answered 503: the memory of every parse in flight stays within a multiple of
+the budget, however many clients send at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import h11
@@ -136,6 +145,11 @@ class ConnectionGuard:
             since = conn.receiving_since
             if since is None:
                 continue
+            if conn.flow is not None and conn.flow.read_paused:
+                # the engine stopped reading (its app waits for room to parse the body): not the
+                # client's delay; the deadline counts again from when reading resumes
+                conn.receiving_since = now
+                continue
             limit = self.header_timeout_s if conn.awaiting_headers() else self.body_timeout_s
             if now - since > limit:
                 self.expired += 1
@@ -185,3 +199,44 @@ class GuardedH11Protocol(H11Protocol):
         if self.awaiting_headers() and not self.transport.is_closing():
             self.transport.write(_TIMEOUT)
         self.transport.close()
+
+
+class Busy(Exception):
+    """The engine is parsing as many bodies as its budget holds (HTTP 503; retry)."""
+
+    http_status = 503
+
+
+class BodyBudget:
+    """Bytes of request bodies read and parsed at once: at most ``capacity`` (module docstring)."""
+
+    def __init__(self, capacity: int, wait_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+        self.capacity = capacity
+        self.wait_s = wait_s
+        self.used = 0
+        self._cond: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        """Hold ``nbytes`` (at most the capacity) of the budget for the block.
+
+        Raises:
+            Busy: no room within ``wait_s``.
+        """
+        nbytes = min(nbytes, self.capacity)
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        cond = self._cond
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self.used + nbytes <= self.capacity), self.wait_s)
+            except TimeoutError:
+                raise Busy(f"the engine is parsing {self.used} bytes of request bodies, its budget is {self.capacity}; "
+                           "retry") from None
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            async with cond:
+                self.used -= nbytes
+                cond.notify_all()

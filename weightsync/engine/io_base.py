@@ -30,6 +30,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 
+class TooLarge(Exception):
+    """A request larger than the engine takes (HTTP 413): its body, or the work it asks for."""
+
+    http_status: ClassVar[int] = 413
+
+
 class Effect(enum.StrEnum):
     SAME = "same as sglang"
     NO_EFFECT = "accepted, no effect here"

@@ -5,6 +5,7 @@ field, :mod:`weightsync.engine.io_base`) and their conversion: body -> tokenized
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from weightsync.engine.engine import GenRequest, GenResult
-from weightsync.engine.io_base import Effect, NoteTable, RequestBody
+from weightsync.engine.io_base import Effect, NoteTable, RequestBody, TooLarge
 from weightsync.engine.sampling import MAX_ABS_LOGIT_BIAS, MAX_SEED, MIN_SEED, SamplingParams, check_computable
 from weightsync.engine.stops import MAX_STOP_CHARS, MAX_STOPS, check_stops
 from weightsync.engine.tokenizer import Tokenizer
@@ -292,29 +293,30 @@ def _sampling(sp: SamplingParamsInput, spec: ModelSpec, prompt_len: int, where: 
 
 
 def to_gen_requests(
-    body: GenerateReqInput, spec: ModelSpec, tokenizer: Tokenizer
+    body: GenerateReqInput, spec: ModelSpec, tokenizer: Tokenizer, max_requests: int | None = None
 ) -> tuple[list[GenRequest], bool, list[SamplingParamsInput]]:
     """Validate a ``/generate`` body and tokenize it (``n > 1`` fans each prompt out, in sglang's
     order: all prompts once, then again, ``n`` times).
+
+    The work a body asks for is counted before anything is built for it: more than
+    ``max_requests`` generations (prompts times ``n``) is refused before a prompt is tokenized, a
+    prompt longer than the context before its ids are checked; each prompt is validated once, its
+    ``n`` copies share it.
 
     Returns:
         ``(requests, is_batch, sampling_params of each request)``.
 
     Raises:
         ValueError: what is wrong with the body (mapped to HTTP 400).
+        TooLarge: more generations than ``max_requests`` (HTTP 413).
     """
     body.refuse_unsupported()
     if (body.text is None) == (body.input_ids is None):
         raise ValueError("give exactly one of 'text' and 'input_ids'")
-    if body.text is not None:
-        is_batch = isinstance(body.text, list)
-        texts = body.text if is_batch else [body.text]
-        prompts = [tokenizer.encode(t) for t in texts]
-    else:
-        ids = body.input_ids
-        is_batch = bool(ids) and isinstance(ids[0], list)
-        prompts = ids if is_batch else [ids]
-    n = len(prompts)
+    raw: Any = body.text if body.text is not None else body.input_ids
+    is_batch = isinstance(raw, list) and (body.text is not None or (bool(raw) and isinstance(raw[0], list)))
+    raw = raw if is_batch else [raw]
+    n = len(raw)
     if n == 0:
         raise ValueError("empty batch")
     params = _per_item(body.sampling_params or SamplingParamsInput(), n, "sampling_params")
@@ -322,55 +324,56 @@ def to_gen_requests(
     if len(fan) != 1:
         raise ValueError(f"sampling_params.n must be the same for every prompt of a batch, got {sorted(fan)}")
     copies = fan.pop()
-    want_lp = _per_item(_or(body.return_logprob, False), n, "return_logprob")
-    starts = _per_item(_or(body.logprob_start_len, -1), n, "logprob_start_len")
-    tops = _per_item(_or(body.top_logprobs_num, 0), n, "top_logprobs_num")
+    total = n * copies
+    if max_requests is not None and total > max_requests:
+        raise TooLarge(f"a request of {total} generations ({n} prompt(s), n={copies}): the engine queues at most "
+                       f"{max_requests} (split it)")
+    rids = _rids(body.rid, total)
+    prompts = [tokenizer.encode(t) for t in raw] if body.text is not None else raw
+    templates = [_prompt_request(body, spec, prompts[i], params[i], i, n, f"prompt {i}: " if is_batch else "")
+                 for i in range(n)]
+    reqs = [dataclasses.replace(templates[k % n], rid=rids[k]) for k in range(total)]
+    return reqs, is_batch or copies > 1, [params[k % n] for k in range(total)]
+
+
+def _rids(rid: str | list[str] | None, total: int) -> list[str]:
+    """The requests' ids: the body's (one per generation, unique), else fresh ones."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(total)]
+    rids = [rid] if isinstance(rid, str) else list(rid)
+    if len(rids) != total:
+        raise ValueError(f"rid has {len(rids)} entries for a batch of {total} requests")
+    if len(set(rids)) != len(rids):
+        raise ValueError("rid values must be unique within a request")
+    return rids
+
+
+def _prompt_request(body: GenerateReqInput, spec: ModelSpec, prompt: list[int], sp: SamplingParamsInput, i: int,
+                    n: int, where: str) -> GenRequest:
+    """Prompt ``i`` of ``n`` validated, as a request without its rid (the cheap checks first)."""
+    sp.refuse_unsupported(f"{where}sampling_params.")
+    if not prompt:
+        raise ValueError(f"{where}the prompt is empty")
+    sampling = _sampling(sp, spec, len(prompt), where)  # the prompt's length against the context first
+    start = _per_item(_or(body.logprob_start_len, -1), n, "logprob_start_len")[i]
+    top = _per_item(_or(body.top_logprobs_num, 0), n, "top_logprobs_num")[i]
     picked = body.token_ids_logprob
     picks = picked if picked and isinstance(picked[0], list) else [picked] * n
     if len(picks) != n:
         raise ValueError(f"token_ids_logprob has {len(picks)} entries for a batch of {n} prompts")
-    total = n * copies
-    if body.rid is not None:
-        rids = [body.rid] if isinstance(body.rid, str) else list(body.rid)
-        if len(rids) != total:
-            raise ValueError(f"rid has {len(rids)} entries for a batch of {total} requests")
-    else:
-        rids = [uuid.uuid4().hex for _ in range(total)]
-    if len(set(rids)) != len(rids):
-        raise ValueError("rid values must be unique within a request")
-    reqs = []
-    sps = []
-    for k in range(total):
-        i = k % n
-        prompt = prompts[i]
-        where = f"prompt {i}: " if is_batch else ""
-        sp = params[i]
-        sp.refuse_unsupported(f"{where}sampling_params.")
-        if not prompt:
-            raise ValueError(f"{where}the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < spec.vocab_size]
-        if bad:
-            raise ValueError(f"{where}token ids {bad[:10]} are outside the vocab [0, {spec.vocab_size})")
-        if starts[i] >= len(prompt):
-            raise ValueError(f"{where}logprob_start_len {starts[i]} is not below the prompt length {len(prompt)}")
-        if tops[i] < 0:
-            raise ValueError(f"{where}top_logprobs_num must be >= 0, got {tops[i]}")
-        bad_pick = [t for t in picks[i] or () if not 0 <= t < spec.vocab_size]
-        if bad_pick:
-            raise ValueError(f"{where}token_ids_logprob {bad_pick[:10]} are outside the vocab")
-        reqs.append(
-            GenRequest(
-                rid=rids[k],
-                input_ids=tuple(prompt),
-                sampling=_sampling(sp, spec, len(prompt), where),
-                return_logprob=want_lp[i],
-                logprob_start_len=starts[i],
-                top_logprobs_num=tops[i],
-                token_ids_logprob=tuple(picks[i] or ()),
-            )
-        )
-        sps.append(sp)
-    return reqs, is_batch or copies > 1, sps
+    bad = [t for t in prompt if not 0 <= t < spec.vocab_size]
+    if bad:
+        raise ValueError(f"{where}token ids {bad[:10]} are outside the vocab [0, {spec.vocab_size})")
+    if start >= len(prompt):
+        raise ValueError(f"{where}logprob_start_len {start} is not below the prompt length {len(prompt)}")
+    if top < 0:
+        raise ValueError(f"{where}top_logprobs_num must be >= 0, got {top}")
+    bad_pick = [t for t in picks[i] or () if not 0 <= t < spec.vocab_size]
+    if bad_pick:
+        raise ValueError(f"{where}token_ids_logprob {bad_pick[:10]} are outside the vocab")
+    return GenRequest(rid="", input_ids=tuple(prompt), sampling=sampling,
+                      return_logprob=_per_item(_or(body.return_logprob, False), n, "return_logprob")[i],
+                      logprob_start_len=start, top_logprobs_num=top, token_ids_logprob=tuple(picks[i] or ()))
 
 
 def _rows(pairs: list[tuple[float | None, int]], decode: Callable[[list[int]], str] | None) -> list[list[Any]]:
