@@ -179,6 +179,7 @@ def test_serve_cli_options_are_pinned() -> None:
         "--max-connections",
         "--header-timeout-s",
         "--body-timeout-s",
+        "--live-check-interval-s",
         "--log-level",
     }
     args = parser.parse_args(["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--dp", "2"])

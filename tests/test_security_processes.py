@@ -11,7 +11,9 @@ Qwen3-4B, two CPU ranks each):
   session changes no served byte (the segment is the engine's inbox; a session's begin wipes it);
 * an engine started with ``--die-with-parent`` ends when its launcher is killed with SIGKILL,
   every rank process gone and no shm segment of theirs left; shm segments of processes that are
-  gone are removed when an engine starts.
+  gone are removed when an engine starts;
+* Mooncake takes a write into the served weights from any peer on its network, token or not; the
+  engine's live check finds such a write and never serves it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from weightsync.proc import free_port
-from weightsync.sync.engine_client import EngineClient, EngineError
+from weightsync.sync.engine_client import SESSION_HEADER, EngineClient, EngineError
 from weightsync.transport.mooncake import mooncake_available
 from weightsync.transport.net import Listener, is_loopback, listening_sockets, route_source
 from weightsync.transport.shm import SHM_DIR, list_segments, segment_owner
@@ -227,7 +229,8 @@ FOREIGN_WRITER = textwrap.dedent("""
     from weightsync.transport import PeerDescriptor, TransportConfig, deadline_after
     info = json.loads(sys.argv[1])
     ptr, numel, esize = info["weights"][sys.argv[2]]
-    writer = TransportConfig(kind="shm").make()
+    kind, host = (sys.argv[3:5] + ["shm", "127.0.0.1"][len(sys.argv) - 3:])[:2]
+    writer = TransportConfig(kind=kind).on_host(host).make()
     zeros = torch.zeros(numel * esize, dtype=torch.uint8)
     writer.register_tensor("zeros", zeros)
     peer = writer.connect(PeerDescriptor.from_json(info["descriptor"]))
@@ -264,3 +267,79 @@ def _foreign_write_changes_nothing(url: str, tmp_path: Path) -> None:
         assert r.status_code == 200, (path, r.text)
     assert checksums() == before
     assert generate() == out
+
+
+MOONCAKE_HOST, MOONCAKE_PEER = "198.18.9.1", "198.18.9.2"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not mooncake_available(), reason="Mooncake is not installed")
+def test_a_foreign_mooncake_write_is_found_and_never_served(tmp_path: Path) -> None:
+    """A Mooncake engine bound to a network address, with a token: a peer on that network (a
+    namespace of the test's own) writes zeros into a served parameter through Mooncake outside any
+    session -- the token does not stop it, nothing in Mooncake authenticates peers. The live check
+    (every second here) finds the change: the weights turn dirty, ``/generate`` answers 503, and
+    ``/live_weights_check`` names the tensor; a session that reloads, verifies and publishes
+    serves the original tokens again."""
+    from tests.engine_helpers import write_tiny_checkpoint
+    from tests.netns_helpers import veth_peer
+
+    ckpt = tmp_path / "ckpt"
+    write_tiny_checkpoint("Qwen3-4B", ckpt)
+    token = "live-check-token-0123456789"
+    (tmp_path / "token").write_text(token)
+    with veth_peer("m", MOONCAKE_HOST, MOONCAKE_PEER) as ns:
+        port = free_port(MOONCAKE_HOST)
+        url = f"http://{MOONCAKE_HOST}:{port}"
+        log = tmp_path / "engine.log"
+        argv = [*SERVE, "Qwen3-4B", "--scale", "tiny", "--tp", "2", "--checkpoint", str(ckpt), "--dtype", "float32",
+                "--transport", "mooncake", "--host", MOONCAKE_HOST, "--port", str(port), "--token-file",
+                str(tmp_path / "token"), "--live-check-interval-s", "1"]
+        with log.open("w") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO_ROOT)
+        client = EngineClient(url, token=token, timeout_s=60)
+        try:
+            client.wait_healthy(timeout_s=120, proc_alive=lambda: proc.poll() is None)
+            _foreign_mooncake_write(client, url, token, ns, log)
+        finally:
+            client.close()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        assert "no authentication" in log.read_text(), "serve warns at start"
+
+
+def _foreign_mooncake_write(client: EngineClient, url: str, token: str, ns: str, log: Path) -> None:
+    body = {"input_ids": [5, 17, 250, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    out = client.generate(body)["output_ids"]
+    auth = {"Authorization": f"Bearer {token}"}
+    first = httpx.post(f"{url}/live_weights_check", headers=auth, timeout=60).json()
+    assert (first["checked"], first["match"]) == (True, True), first
+    answer = httpx.get(f"{url}/get_remote_instance_transfer_engine_info", params={"rank": 0}, headers=auth).json()
+    _, weights = answer["remote_instance_transfer_engine_info"]
+    name = "model.embed_tokens.weight"
+    info = json.dumps({"weights": weights, "descriptor": answer["transport_descriptor"]})
+    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", FOREIGN_WRITER, info, name, "mooncake",
+                           MOONCAKE_PEER], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.stdout.strip() == "written", done.stderr[-3000:]
+    end = time.monotonic() + 30
+    while not client.engine_state()["weights_dirty"] and time.monotonic() < end:
+        time.sleep(0.2)
+    state = client.engine_state()
+    assert state["weights_dirty"], f"the foreign write was not found:\n{log.read_text()[-3000:]}"
+    assert state["state"] == "paused", state
+    refused = httpx.post(f"{url}/generate", json=body, headers=auth, timeout=60)
+    assert refused.status_code == 503, refused.text
+    assert "changed outside an update session" in log.read_text()
+    assert name in log.read_text()
+    # the holder reloads, checks and publishes: served again, as before the write
+    client.pause_generation()
+    client.begin_weight_update()
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(log.parent / "ckpt")},
+                   headers={**auth, SESSION_HEADER: client.session_id or ""}, timeout=120)
+    assert r.status_code == 200, r.text
+    client.end_weight_update()
+    client.update_weight_version("2")
+    client.continue_generation()
+    assert client.generate(body)["output_ids"] == out
+    again = httpx.post(f"{url}/live_weights_check", headers=auth, timeout=60).json()
+    assert (again["checked"], again["match"]) == (True, True), again

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e_helpers import PYTHON, REPO_ROOT, e2e_ckpt_fixture, run_env  # noqa: F401 -- the e2e_ckpt fixture
+from tests.netns_helpers import veth_peer
 from weightsync.transport.net import Listener, is_loopback, listening_sockets
 
 pytestmark = pytest.mark.timeout(600)
@@ -77,31 +78,13 @@ CONNECT = textwrap.dedent("""
 """)
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-
-
 @pytest.fixture(scope="module")
 def peer() -> Iterator[str]:
-    """A network namespace linked to this host by a veth pair (this host HOST_IP, the peer
-    PEER_IP); yields its name."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("setpriv") is None:
-        pytest.skip("needs root, iproute2's `ip` and setpriv (a network namespace and a second uid)")
-    tag = f"{os.getpid() % 10**6}"
-    ns, here, there = f"wsp{tag}", f"wsq{tag}a", f"wsq{tag}b"
-    steps = [("netns", "add", ns), ("link", "add", here, "type", "veth", "peer", "name", there),
-             ("link", "set", there, "netns", ns), ("addr", "add", f"{HOST_IP}/24", "dev", here),
-             ("-n", ns, "addr", "add", f"{PEER_IP}/24", "dev", there), ("link", "set", here, "up"),
-             ("-n", ns, "link", "set", there, "up"), ("-n", ns, "link", "set", "lo", "up")]
-    try:
-        for step in steps:
-            done = _ip(*step)
-            if done.returncode != 0:
-                pytest.skip(f"network namespaces unavailable (`ip {' '.join(step)}`: {done.stderr.strip()})")
+    """A network namespace at PEER_IP, linked to this host at HOST_IP."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (a second uid)")
+    with veth_peer("r", HOST_IP, PEER_IP) as ns:
         yield ns
-    finally:
-        _ip("netns", "del", ns)
-        _ip("link", "del", here)
 
 
 def _children(pid: int) -> list[int]:

@@ -131,7 +131,10 @@ CALLS: dict[Event, Callable[[UpdateSessions], Any]] = {
     Event.END: lambda s: s.end(),
     Event.VERSION: lambda s: s.set_weight_version("v2"),
     Event.ABORT: lambda s: s.abort(),
+    Event.FOREIGN_WRITE: lambda s: s.foreign_write("a test's"),
 }
+LOCKED = (Event.GENERATE, Event.FOREIGN_WRITE)
+"""Events whose call expects the caller to hold the lock."""
 
 
 FAILED_BEGINS = {State.PAUSED: (State.UPDATING, lambda s: s.begin()),
@@ -159,12 +162,12 @@ def test_the_code_follows_the_table(make: Callable[..., UpdateSessions], event: 
         else:
             rule = decide(state, event, facts)
             if rule.refuse is not None:
-                with pytest.raises(rule.refuse) as err, sessions.lock if event is Event.GENERATE else nullcontext():
+                with pytest.raises(rule.refuse) as err, sessions.lock if event in LOCKED else nullcontext():
                     CALLS[event](sessions)
                 assert err.value.http_status == rule.refuse.http_status, where  # type: ignore[attr-defined]
                 assert sessions.state is state, where
                 continue
-            with sessions.lock if event is Event.GENERATE else nullcontext():
+            with sessions.lock if event in LOCKED else nullcontext():
                 CALLS[event](sessions)
         assert sessions.state is (rule.then or state), where
 

@@ -104,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a request's headers must arrive within this long (else the connection is closed, 408)")
     parser.add_argument("--body-timeout-s", type=float, default=60.0,
                         help="a request's body must arrive within this long of its first byte")
+    parser.add_argument("--live-check-interval-s", type=float, default=None,
+                        help="seconds between checks of the served weights against their publication (a write "
+                        "outside an update session makes them dirty); 0: off; default: 60 where the p2p transport "
+                        "opens ports beyond loopback, else off")
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 
@@ -161,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_connections=args.max_connections,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        live_check_interval_s=args.live_check_interval_s,
     )
 
 

@@ -18,6 +18,10 @@ Modules, bottom up:
                  the scheduler's gate
 * ``io_base``, ``io_generate``, ``io_struct``   the request bodies (``/generate``'s, the
                  control and weight-update ones); ``http_api`` the HTTP layer
+* ``http_guard``, ``http_body``   connections (a cap, read deadlines) and request bodies (a size,
+                 a budget of bodies parsed at once), bounded
+* ``stops``      stop strings and patterns, matched in linear time (RE2)
+* ``live_check`` the served weights checked against their publication (a write outside a session)
 * ``bootstrap``, ``serve``   the server of ``weightsync serve`` (its command line: :mod:`weightsync.cli.serve`)
 * ``reference``  a plain reference forward over global HF tensors (tests, logprob parity)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from weightsync.models.parallel import RolloutParallel
 from weightsync.transport import TransportConfig
+from weightsync.transport.net import is_loopback
 
 TRANSFER_INFO_FORMATS = ("weightsync", "sglang")
 SHADOW_MODES = ("auto", "off")
@@ -19,6 +20,8 @@ IN_FLIGHT_AT_FLIP = ("keep", "recompute", "abort")
 """``--in-flight-at-flip``: what a flip does to the running requests
 (:meth:`weightsync.engine.scheduler.Scheduler.flip`)."""
 
+DEFAULT_LIVE_CHECK_S = 60.0
+"""The live check's interval where peers can write without a token (:attr:`ServeConfig.live_check_s`)."""
 GRACEFUL_SHUTDOWN_S = 5
 """On stop, requests still waiting after this long (e.g. queued behind a pause) are cancelled."""
 
@@ -114,6 +117,18 @@ class ServeConfig:
     first byte); else the connection is closed (408)."""
     body_timeout_s: float = 60.0
     """A request's body must arrive within this long of its first byte; else the connection is closed."""
+    live_check_interval_s: float | None = None
+    """Seconds between checks of the served weights against their publication (a write outside a
+    session makes them dirty; :mod:`weightsync.engine.live_check`); 0: off; None: every 60 s when the
+    p2p transport opens ports beyond loopback (peers write without a token there), else off."""
+
+    @property
+    def live_check_s(self) -> float:
+        """:attr:`live_check_interval_s` resolved (0: off)."""
+        if self.live_check_interval_s is not None:
+            return self.live_check_interval_s
+        exposed = self.transport is not None and self.transport.backend.opens_ports and not is_loopback(self.host)
+        return DEFAULT_LIVE_CHECK_S if exposed else 0.0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -143,6 +158,8 @@ class ServeConfig:
         if self.shared_experts_fusion and self.ep > 1:
             raise ValueError(f"--enforce-shared-experts-fusion with --ep {self.ep}: shared-expert fusion under "
                              "expert parallelism is not supported (sglang scales the shared slots by 1/ep)")
+        if self.live_check_interval_s is not None and not self.live_check_interval_s >= 0:
+            raise ValueError(f"live_check_interval_s must be >= 0 (0: off), got {self.live_check_interval_s}")
         if self.token is not None and len(self.token) < 16:
             raise ValueError("the engine token must be at least 16 characters (e.g. python -c 'import secrets; "
                              "print(secrets.token_urlsafe(32))')")

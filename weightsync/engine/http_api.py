@@ -40,26 +40,22 @@ Typical usage::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import hmac
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
-from starlette.requests import ClientDisconnect
 
 from weightsync.engine.control import RankError
-from weightsync.engine.http_guard import BodyBudget, Busy
+from weightsync.engine.http_body import DEFAULT_MAX_REQUEST_BYTES, B, BadBody, BodyBudget, Busy, parse_body
 from weightsync.engine.io_base import TooLarge
 from weightsync.engine.io_generate import GenerateReqInput, to_gen_requests, to_response
 from weightsync.engine.io_struct import (
@@ -73,12 +69,12 @@ from weightsync.engine.io_struct import (
     FlushCacheReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
-    RequestBody,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
 )
+from weightsync.engine.live_check import LiveCheck
 from weightsync.engine.scheduler import EngineTimeout, QueueFull, Unavailable
 from weightsync.engine.session import GroupError, UpdateSessions
 from weightsync.engine.states import Conflict
@@ -117,19 +113,18 @@ ROUTES = (
     "/destroy_weights_update_group",
     "/update_weights_from_disk",
     "/weights_checker",
+    "/live_weights_check",
 )
 """Every route the app serves (pinned by a surface test)."""
 OPEN_ROUTES = ("/health",)
 """Routes answered without the token (liveness probes)."""
 SESSION_HEADER = "x-weightsync-session"
 """A call that carries it must belong to the engine's current update session."""
-DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 GENERATE_BYTES_PER_TOKEN = 32
 """More JSON bytes than a valid ``/generate`` body spends per prompt token (an id and its comma; a
 text token's characters, escaped)."""
 
-B = TypeVar("B", bound=RequestBody)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,13 +146,11 @@ class ServerContext:
     """Bodies larger than this are refused (413)."""
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     """A ``/generate`` not answered within this long is aborted (503)."""
+    live_check: LiveCheck | None = None
+    """The check of the served weights against their publication (``/live_weights_check``); None: off."""
     parse_budget_bytes: int | None = None
-    """Bytes of bodies read and parsed at once (:class:`~weightsync.engine.http_guard.BodyBudget`);
+    """Bytes of bodies read and parsed at once (:class:`~weightsync.engine.http_body.BodyBudget`);
     None: ``max_request_bytes``."""
-
-
-class BadBody(ValueError):
-    """A request body that does not validate (HTTP 400, sglang's ``ErrorResponse``)."""
 
 
 class RouteError(Exception):
@@ -174,69 +167,6 @@ def _error_response(status: int, message: str) -> JSONResponse:
         {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "param": None, "code": status},
         status_code=status,
     )
-
-
-_TYPE_TAG = re.compile(r"^([A-Z]\w*|str|int|float|bool|none|(list|dict|tuple|literal)\[.*\]|function-\w+.*)$")
-"""Union-branch and validator tags pydantic puts into an error's location (not field names)."""
-
-
-def _describe(exc: ValidationError, model: type[RequestBody]) -> str:
-    """One line per problem; unknown fields say so plainly (sglang would drop them silently)."""
-    seen: list[str] = []
-    for e in exc.errors():
-        loc = ".".join(str(x) for x in e.get("loc", ()) if not _TYPE_TAG.match(str(x)))
-        if e.get("type") == "extra_forbidden":
-            msg = f"{loc}: unknown field (not a field of sglang's {model.__name__}; check its spelling)"
-        else:
-            msg = f"{loc}: {e.get('msg')}" if loc else str(e.get("msg"))
-        if msg not in seen:
-            seen.append(msg)
-    return "invalid request: " + "; ".join(seen)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, read at most ``limit`` bytes far.
-
-    Raises:
-        TooLarge: the body is longer.
-        BadBody: the client went away before its body arrived.
-    """
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise TooLarge(f"request body over {limit} bytes (the engine's max_request_bytes)")
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone mid-body (or closed by the connection guard's deadline)
-        raise BadBody("the client closed the connection before its body arrived") from None
-    return b"".join(chunks)
-
-
-async def parse_body(request: Request, model: type[B], limit: int = DEFAULT_MAX_REQUEST_BYTES,
-                     budget: BodyBudget | None = None) -> B:
-    """The request's JSON body as ``model``; an absent body is ``{}`` (every field's default). While
-    it is read and parsed it holds its share of ``budget`` (:class:`~weightsync.engine.http_guard.BodyBudget`).
-
-    Raises:
-        Busy: no room in the budget in time.
-        BadBody: malformed JSON, a body that does not validate (the message names the fields), or
-            the client went away before its body arrived.
-        TooLarge: a body over ``limit`` bytes.
-    """
-    declared = request.headers.get("content-length", "")
-    async with (budget.hold(int(declared) if declared.isdigit() else limit) if budget is not None
-                else contextlib.nullcontext()):
-        return _validate(await read_body(request, limit), model)
-
-
-def _validate(raw: bytes, model: type[B]) -> B:
-    try:
-        return model.model_validate_json(raw if raw.strip() else b"{}")
-    except ValidationError as exc:
-        if any(e.get("type") == "json_invalid" for e in exc.errors()):
-            raise BadBody(f"invalid request: malformed JSON body ({exc.errors()[0].get('msg')})") from None
-        raise BadBody(_describe(exc, model)) from None
 
 
 def parallelism_config(par: RolloutParallel, rank: int) -> dict[str, int]:
@@ -590,5 +520,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
         skip = tuple(body.skip_tensor_list or ())
         per_rank = await run(sessions.check_weights, body.action, body.seed, body.allow_quant_error, skip)
         return checker_response(body.action, per_rank, body.rank)
+
+    @app.api_route("/live_weights_check", methods=["GET", "POST"])
+    async def live_weights_check() -> dict[str, Any]:
+        if ctx.live_check is None:
+            raise ValueError("the live weights check is off (weightsync serve --live-check-interval-s SECONDS)")
+        return {"success": True, **await run(ctx.live_check.check)}
 
     return app

@@ -1,6 +1,5 @@
-"""The engine's HTTP connections and request bodies, bounded: a cap below the process's descriptor
-limit, a deadline to receive each request, stalled connections evicted before anyone else, and a
-budget of body bytes parsed at once (:class:`BodyBudget`).
+"""The engine's HTTP connections, bounded: a cap below the process's descriptor limit, a deadline to
+receive each request, and stalled connections evicted before anyone else.
 
 uvicorn (with h11) never times out a request that is being received: a client that opens a
 connection and sends half its headers, or its headers and then a trickle of body, holds a
@@ -23,22 +22,17 @@ guard:
 The token is the next check (the app's middleware, on the headers, before any body byte is read);
 idle keep-alive connections close after uvicorn's ``timeout_keep_alive``.
 
-Parsing a JSON body costs several times its size (a list of token ids as Python objects: about
-8 times), so the bodies being read and parsed at once hold a share of a :class:`BodyBudget` (their
-declared length, or the limit when undeclared); one that does not fit waits, at most
-``wait_s``, then is answered 503: the memory of every parse in flight stays within a multiple of
-the budget, however many clients send at once.
+The bodies themselves are read and parsed within a budget (:mod:`weightsync.engine.http_body`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import resource
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -200,43 +194,3 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.write(_TIMEOUT)
         self.transport.close()
 
-
-class Busy(Exception):
-    """The engine is parsing as many bodies as its budget holds (HTTP 503; retry)."""
-
-    http_status = 503
-
-
-class BodyBudget:
-    """Bytes of request bodies read and parsed at once: at most ``capacity`` (module docstring)."""
-
-    def __init__(self, capacity: int, wait_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
-        self.capacity = capacity
-        self.wait_s = wait_s
-        self.used = 0
-        self._cond: asyncio.Condition | None = None
-
-    @contextlib.asynccontextmanager
-    async def hold(self, nbytes: int) -> AsyncIterator[None]:
-        """Hold ``nbytes`` (at most the capacity) of the budget for the block.
-
-        Raises:
-            Busy: no room within ``wait_s``.
-        """
-        nbytes = min(nbytes, self.capacity)
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        cond = self._cond
-        async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(lambda: self.used + nbytes <= self.capacity), self.wait_s)
-            except TimeoutError:
-                raise Busy(f"the engine is parsing {self.used} bytes of request bodies, its budget is {self.capacity}; "
-                           "retry") from None
-            self.used += nbytes
-        try:
-            yield
-        finally:
-            async with cond:
-                self.used -= nbytes
-                cond.notify_all()

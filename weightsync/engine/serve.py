@@ -40,6 +40,7 @@ from weightsync.layout.sglang_options import layout_options
 from weightsync.models.resolve import describe_model
 from weightsync.proc import die_with_parent, end_child, free_port
 from weightsync.transport.config import NONE
+from weightsync.transport.net import is_loopback
 from weightsync.transport.registry import remove_leftovers
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     from weightsync.engine.control import Driver, Op
     from weightsync.engine.http_api import ServerContext, build_app
     from weightsync.engine.http_guard import ACCEPT_BACKLOG, ConnectionGuard, connection_cap
+    from weightsync.engine.live_check import LiveCheck
     from weightsync.engine.scheduler import Scheduler
     from weightsync.engine.session import UpdateSessions
     from weightsync.engine.tokenizer import load_tokenizer
@@ -190,7 +192,10 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     if guard.max_connections < cfg.max_connections:
         logger.info("at most %d HTTP connections (the descriptor limit leaves no room for %d)", guard.max_connections,
                     cfg.max_connections)
+    live = LiveCheck(sessions, interval_s=cfg.live_check_s) if cfg.live_check_s > 0 else None
     sched.start()
+    if live is not None:
+        live.start()
     try:
         server = uvicorn.Server(
             uvicorn.Config(
@@ -205,6 +210,7 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
                         api_docs=cfg.api_docs,
                         max_request_bytes=cfg.max_request_bytes,
                         request_timeout_s=cfg.request_timeout_s,
+                        live_check=live,
                     )
                 ),
                 host=cfg.host,
@@ -228,16 +234,32 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
             cfg.host,
             cfg.port,
         )
-        if cfg.token is None and cfg.transport is not None and cfg.transport.backend.opens_ports:
-            logger.info("no token: the %s transport's ports take connections on the loopback interface only",
-                        cfg.transport.kind.value)
+        _say_exposure(cfg)
         server.run()
     finally:
         watching.clear()  # the workers leave now, on purpose
+        if live is not None:
+            live.stop()
         clean = sched.stop()
         if config_dir is not None:
             shutil.rmtree(config_dir, ignore_errors=True)
     return clean
+
+
+def _say_exposure(cfg: ServeConfig) -> None:
+    """What the engine's p2p transport exposes, said at start: a transport whose peers connect to
+    its ports takes writes into the served weights from any peer that reaches them, token or not."""
+    if cfg.transport is None or not cfg.transport.backend.opens_ports:
+        return
+    kind = cfg.transport.kind.value
+    if is_loopback(cfg.host):
+        logger.info("the %s transport's ports take connections on the loopback interface only", kind)
+        return
+    logger.warning("the %s transport's ports on %s take reads and writes of the served weights from any peer that "
+                   "reaches them: it has no authentication (the token guards HTTP only); keep that network private "
+                   "and firewalled to the trainer hosts (README, Security). %s", kind, cfg.host,
+                   f"The served weights are checked every {cfg.live_check_s:g} s: a write outside an update session "
+                   "makes them dirty." if cfg.live_check_s > 0 else "The live weights check is off.")
 
 
 def server_info(

@@ -110,6 +110,8 @@ class UpdateSessions:
         self.state = State.SERVING
         self.dirty = False
         self.session: Session | None = None
+        self.publications = 0
+        """How many times weights were published since start (the live check's reference follows it)."""
         self._groups: set[str] = set()
         self._joining: set[str] = set()
         scheduler.attach(self)
@@ -286,6 +288,7 @@ class UpdateSessions:
         self.weight_version = version
         self.dirty = False
         self.session = None
+        self.publications += 1
 
     def abort(self, session_id: str | None = None) -> dict[str, Any]:
         """``/abort_weight_update`` (an extension): end the session without publishing. A session
@@ -503,6 +506,20 @@ class UpdateSessions:
             ),
             f"weights_checker {action}",
         )
+
+    def foreign_write(self, what: str) -> bool:
+        """The live check found the served weights changed outside a session (the ``live weights
+        changed outside a session`` rows): dirty, a serving engine pauses. False when a session is
+        open (its writes are expected; nothing changes). Caller holds the lock."""
+        if self.state in (State.UPDATING, State.ENDED):
+            return False
+        logger.error("the served weights of version %r changed outside an update session (%s): nothing is served "
+                     "until an update session publishes", self.weight_version, what)
+        rule = self._decide(Event.FOREIGN_WRITE)
+        self.dirty = True
+        self._enter(rule)
+        self._fail_queued_if_refused()
+        return True
 
     # ------------------------------------------------------------------ state
 

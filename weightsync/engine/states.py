@@ -66,6 +66,9 @@ class Event(enum.StrEnum):
     END = "end_weight_update"
     VERSION = "update_weight_version"
     ABORT = "abort_weight_update"
+    FOREIGN_WRITE = "live weights changed outside a session"
+    """The live check (:mod:`weightsync.engine.live_check`) found the served weights changed since
+    their publication with no session open: a write nobody published (a transport's peer)."""
 
 
 class When(enum.StrEnum):
@@ -215,6 +218,10 @@ TRANSITIONS: tuple[Rule, ...] = (
          note="a label cannot clean dirty weights: only a session's publication does"),
     Rule((S, P), Event.VERSION, None, note="a new label of the clean weights (effect labelled)"),
     Rule((S, P), Event.ABORT, None, refuse=Conflict, why="no weight update session to abort"),
+    Rule((S,), Event.FOREIGN_WRITE, P, note="dirty: the engine pauses, queued requests are answered 503, nothing is "
+                                           "served until a session publishes"),
+    Rule((P,), Event.FOREIGN_WRITE, None, note="dirty; queued requests answered 503"),
+    Rule((U, E), Event.FOREIGN_WRITE, None, note="not looked for: a session's writes change the live weights"),
     Rule((U, E), Event.ABORT, P, note="the session closes unpublished: old version, dirty if anything reached the "
                                       "served weights (then queued requests are answered 503)"),
     Rule((SU, SE), Event.ABORT, S, note="the session closes unpublished; the served copy was never touched"),
