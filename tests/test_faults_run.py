@@ -2,8 +2,9 @@
 writes dropped at step k -- a client records the weight version of every answer an engine gives
 while the run goes on, and none is served from step k's unverified weights --, a trainer rank
 killed mid-update (its own death is what the run reports, at once), and the launcher killed
-(every process it started ends, no shm segment is left), and a trainer rank stopped by SIGSTOP (the
-run names it and ends, every wait bounded).
+(every process it started ends, no shm segment is left), a trainer rank stopped by SIGSTOP (the
+run names it and ends, every wait bounded), and an engine rank killed or stopped (the run's message
+is the cause in a line; no process or shm segment of the engine is left).
 
 The first two attach one engine (``--engine-urls``) that lives through the module: each failed
 run leaves it serving the old version (its updates are pause-free: what failed only ever reached
@@ -186,15 +187,85 @@ def test_a_stopped_trainer_rank_ends_the_run_and_every_process(engine: str, e2e_
         assert "trainer rank 1 cannot answer update" in output, output[-3000:]
         assert "is stopped (SIGSTOP)" in output, output[-3000:]
         assert took < 2 + 5 + 2 * 5 + 30, f"{took:.0f} s"  # grace + stop + SIGTERM/SIGKILL steps + the exit
+        end = time.monotonic() + 10  # (multiprocessing's resource tracker leaves once its pipe closes)
+        while any(_alive(p) for p in children) and time.monotonic() < end:
+            time.sleep(0.2)
         assert not [p for p in children if _alive(p)], "a trainer rank outlived the launcher"
         s = _state(engine)
         assert s["weight_version"] == "0", s
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for p in children:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
+        _kill_all(proc, children)
+
+
+def _kill_all(proc: subprocess.Popen, pids: list[int]) -> None:
+    """What a failed test leaves: the run and the processes it started."""
+    if proc.poll() is None:
+        proc.kill()
+    for p in pids:
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+
+
+ENGINE_FAULTS = [
+    pytest.param(signal.SIGKILL, 1, "engine rank process engine-rank1 exited (code -9)", id="rank1-SIGKILL"),
+    pytest.param(signal.SIGKILL, 0, "exited (killed by SIGKILL)", id="rank0-SIGKILL"),
+    pytest.param(signal.SIGSTOP, 0, "its rank 0 cannot answer: its process", id="rank0-SIGSTOP"),
+    pytest.param(signal.SIGSTOP, 1, "is stopped (SIGSTOP)", id="rank1-SIGSTOP"),
+]
+"""(signal, engine rank, what the run's first line says): a stopped rank 1 is named by the launcher
+("a rank cannot answer: its process (pid N) is stopped") or, once a collective would have timed
+out, by the engine's own watchdog ("engine rank process engine-rank1 is stopped (SIGSTOP) ...")."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("sig", "rank", "cause"), ENGINE_FAULTS)
+def test_an_engine_rank_killed_or_stopped_is_named_and_leaks_nothing(sig: signal.Signals, rank: int, cause: str,
+                                                                      e2e_ckpt: Path, tmp_path: Path):
+    """An engine rank (TP 2, shm) killed or stopped mid-run: the run's message is the cause in a
+    line (which rank, how it ended or that it is stopped), then one line of what the run was doing,
+    no traceback (the whole error is in error.log); no process and no shm segment of the engine
+    is left -- rank 0 killed, rank 1 removes both ranks' segments; a stopped rank 1 ends the
+    engine once a collective would have timed out; a stopped rank 0 is killed by the launcher,
+    which removes what it leaves."""
+    from weightsync.transport.shm import list_segments, segment_owner
+
+    out_path = tmp_path / "out.txt"
+    argv = [*RUN[:2], "--train", "tp=1,cp=1,world=1", "--rollout", "tp=2,engines=1", "--mode", "p2p",
+            "--num-rollout", "40", "--deadlines", "engine_call=20,generate=20,collective=20,stop=5"]
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([PYTHON, "-m", "weightsync.cli", *argv], cwd=REPO_ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env=run_env(e2e_ckpt, tmp_path / "logs"))
+    engine: list[int] = []
+    try:
+        end = time.monotonic() + 300
+        while "step 1:" not in out_path.read_text() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        assert "step 1:" in out_path.read_text(), out_path.read_text()[-3000:]
+        serve = next(p for p in _descendants(proc.pid) if b"weightsync.cli\x00serve" in _cmdline(p))
+        engine = [serve, *_descendants(serve)]
+        ranks = [serve, next(p for p in _descendants(serve) if b"spawn_main" in _cmdline(p))]
+        os.kill(ranks[rank], sig)
+        rc = proc.wait(timeout=240)
+        output = out_path.read_text()
+    finally:
+        _kill_all(proc, engine)
+    message = output[output.index("weightsync run:"):].strip().splitlines()
+    assert rc == 1, output[-3000:]
+    assert message[0].startswith("weightsync run: engine 0 (http://127.0.0.1:"), message
+    assert cause in message[0], message
+    assert len(message) <= 3, message
+    assert message[-1].startswith("(the whole error, tracebacks included:"), message
+    assert "Traceback" not in output
+    assert not [p for p in engine if _alive(p)], "an engine process outlived the run"
+    assert not [g for g in list_segments() if (segment_owner(g) or (None,))[0] in engine], "shm segments leaked"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _descendants(pid: int) -> list[int]:

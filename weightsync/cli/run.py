@@ -193,9 +193,9 @@ def _run(cfg: RunConfig, env: EnvSettings) -> int:
 
             summary = run_head(cfg, hf_dir=hf_dir.absolute(), torch_dist_dir=torch_dist_dir.absolute())
     except (RunError, EngineError, TrainerError, ClusterError) as exc:
-        # The message says what failed (a trainer rank's traceback is in its log, the cluster's
-        # errors say what to check); the launcher's own stack adds nothing.
-        print(f"weightsync run: {exc}", file=sys.stderr)
+        # What failed, without stack frames (the launcher's own adds nothing; the ranks' are kept in
+        # error.log of the run's log directory)
+        print(f"weightsync run: {_error_text(exc, cfg.log_dir)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM: everything this run started was stopped on the way out
         print("weightsync run: interrupted; every process this run started is stopped", file=sys.stderr)
@@ -224,3 +224,18 @@ def drop_empty_dirs(log_dir: Path, created: list[Path]) -> None:
     for d in created:
         with contextlib.suppress(OSError):  # not empty, or already gone
             d.rmdir()
+def _error_text(exc: BaseException, log_dir: Path) -> str:
+    """``exc``'s message without stack frames; the whole of it (and of what caused it) goes to
+    ``error.log`` in ``log_dir`` when that drops anything."""
+    from weightsync.launch.report import error_summary
+
+    full = "\n\n".join(str(e) for e in (exc, exc.__cause__) if e is not None)
+    short = error_summary(str(exc))
+    if short == full:
+        return short
+    path = log_dir / "error.log"
+    try:
+        path.write_text(full + "\n")
+    except OSError:
+        return short
+    return f"{short}\n(the whole error, tracebacks included: {path})"

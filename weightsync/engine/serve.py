@@ -6,10 +6,12 @@ host), every rank allocates and loads its own parameters, and rank 0 serves HTTP
 the others (:mod:`weightsync.engine.control`).
 
 Processes: Ctrl-C (or SIGTERM) stops the server, releases the workers and tears the process group
-down (exit status 0); ranks > 0 die with rank 0 if it is killed outright (Linux
-``PR_SET_PDEATHSIG``); rank 0 ends the engine (exit status 1) if a rank process dies, since it
-cannot leave a collective with a dead peer, removing what its own and the dead ranks'
-registrations leave behind first (shm segments; ``Transport.remove_leftovers``). With
+down (exit status 0); ranks > 0 leave when rank 0 is killed outright (a thread notices it within
+half a second, SIGTERM by ``PR_SET_PDEATHSIG`` too), removing their own and rank 0's shm
+segments first; rank 0 ends the engine (exit status 1) if a rank process dies, or stays stopped
+(SIGSTOP) longer than a collective may wait, since it cannot leave a collective with such a
+peer, removing what its own and the ranks' registrations leave behind first (shm segments;
+``Transport.remove_leftovers``). With
 ``die_with_parent`` the engine gets SIGTERM when the process that started it dies (a launcher
 killed with SIGKILL included) and stops as on Ctrl-C. At start-up, leftovers of this project's
 transports whose owner process is gone are removed.
@@ -38,7 +40,7 @@ from typing import Any
 from weightsync.engine.config import ServeConfig
 from weightsync.layout.sglang_options import layout_options
 from weightsync.models.resolve import describe_model
-from weightsync.proc import die_with_parent, end_child, free_port
+from weightsync.proc import die_with_parent, end_child, free_port, process_state
 from weightsync.transport.config import NONE
 from weightsync.transport.net import is_loopback
 from weightsync.transport.registry import remove_leftovers
@@ -87,7 +89,8 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
     watching = threading.Event()
     if procs:
         watching.set()
-        threading.Thread(target=_watch_workers, args=(procs, watching), name="rank-watchdog", daemon=True).start()
+        threading.Thread(target=_watch_workers, args=(procs, watching, cfg.collective_timeout_s), name="rank-watchdog",
+                         daemon=True).start()
     clean = True
     try:
         engine = build_rank(cfg, spec, par, 0, port)
@@ -117,16 +120,28 @@ def _end_workers(procs: list[Any], grace_s: float) -> None:
         logger.info("removed %d transport leftover(s) of the engine's ranks: %s", len(left), ", ".join(left))
 
 
-def _watch_workers(procs: list[Any], watching: threading.Event) -> None:
+def _watch_workers(procs: list[Any], watching: threading.Event, stopped_grace_s: float) -> None:
     """Rank 0 cannot leave a collective whose peer died: end the whole engine instead, after
     removing the transport leftovers of every rank (its own included; shm mappings stay valid).
+    A rank process stopped (SIGSTOP; not a debugger's stop) for longer than a collective may wait,
+    ``stopped_grace_s``, ends it the same way: every collective with it would time out.
 
     Runs until ``watching`` is cleared (just before a normal shutdown releases the workers).
     """
+    stopped_since: dict[int, float] = {}
     while watching.is_set():
         for p in procs:
-            if p.exitcode is not None and watching.is_set():
-                logger.error("engine rank process %s exited (code %s); stopping the engine", p.name, p.exitcode)
+            why = ""
+            if p.exitcode is not None:
+                why = f"exited (code {p.exitcode})"
+            elif process_state(p.pid) == "T":
+                since = stopped_since.setdefault(p.pid, time.monotonic())
+                if time.monotonic() - since > stopped_grace_s:
+                    why = f"is stopped (SIGSTOP) for more than {stopped_grace_s:.0f} s"
+            else:
+                stopped_since.pop(p.pid, None)
+            if why and watching.is_set():
+                logger.error("engine rank process %s %s; stopping the engine", p.name, why)
                 for other in procs:
                     if other.exitcode is None:
                         other.kill()
@@ -137,12 +152,34 @@ def _watch_workers(procs: list[Any], watching: threading.Event) -> None:
         time.sleep(0.2)
 
 
+def _leave(parent: int) -> None:
+    """A rank > 0 whose rank 0 is gone (or that was told to stop): remove its own transport
+    leftovers and, when rank 0 is gone, rank 0's (a killed rank 0 removes nothing), then exit."""
+    gone = {parent} if os.getppid() != parent else set()
+    remove_leftovers({os.getpid(), *gone})
+    os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    """Ranks > 0: notice within half a second that rank 0 died (its process gone: reparented), even
+    while the main thread waits in a collective, and leave (:func:`_leave`)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    logger.error("engine rank 0 (pid %d) is gone; removing its and this rank's leftovers", parent)
+    _leave(parent)
+
+
 def _worker_main(cfg: ServeConfig, spec: Any, par: Any, rank: int, port: int) -> None:
     """Entry point of ranks > 0 (a spawned process), with rank 0's checked model and layout."""
     from weightsync.engine.bootstrap import build_rank, finish_rank
     from weightsync.engine.control import worker_loop
 
-    die_with_parent()
+    parent = os.getppid()
+    # rank 0's death (a SIGKILL included) is noticed by a thread and by SIGTERM (PR_SET_PDEATHSIG),
+    # and both clean up; a SIGKILL would leave this rank's shm segments and rank 0's behind
+    signal.signal(signal.SIGTERM, lambda *_: _leave(parent))
+    die_with_parent(signal.SIGTERM)
+    threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
     engine = build_rank(cfg, spec, par, rank, port)
     try:

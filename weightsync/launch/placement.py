@@ -89,6 +89,10 @@ class EngineHandle(Protocol):
 
     def request_stop(self) -> None: ...
 
+    def diagnose(self) -> str:
+        """Why it cannot serve, in one line ("" when nothing is wrong that can be seen)."""
+        ...
+
     def stop(self) -> None: ...
 
 
@@ -290,6 +294,12 @@ class Placement(ABC):
             ordered = sorted(failures, key=lambda f: (_collateral(f[1]), f[0]))
             raise TrainerError("\n".join(text for _, text in ordered))
         return out
+
+    def diagnose_engines(self) -> list[str]:
+        """Why engines cannot serve, one line each (none when every engine looks fine): what a
+        failed run says first, instead of the errors its callers saw (a connection closed, a
+        timeout, a trainer rank's traceback)."""
+        return [why for why in self._pool.map(lambda e: e.diagnose(), self.engines) if why]
 
     # -- results and teardown -------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 from weightsync.launch.cluster import ClusterError, HeadCluster, node_resource
 from weightsync.launch.messages import Command, Reply
 from weightsync.launch.placement import LOOPBACK, EngineEndpoint, Placement, RankChannel
+from weightsync.launch.procs import engine_log_cause, health_cause
 from weightsync.launch.trainer_worker import WorkerConfig
 from weightsync.models.fit import NodePlan
 from weightsync.sync.engine_client import EngineClient
@@ -60,6 +61,13 @@ class _RayEngine:
 
     def request_stop(self) -> None:
         self.agent.request_stop_engine.remote()
+
+    def diagnose(self) -> str:
+        what = f"engine {self.index} ({self.url}, node {self.node})"
+        if not self.alive():
+            cause = engine_log_cause(self.tail(200))
+            return f"{what} exited" + (f": {cause}" if cause else "")
+        return health_cause(self.client, what)
 
     def stop(self) -> None:
         self.client.close()

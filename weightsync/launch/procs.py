@@ -14,20 +14,48 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from weightsync.launch.config import TOKEN_ENV
-from weightsync.proc import KILL_AFTER_S, log_tail
+from weightsync.proc import KILL_AFTER_S, descendants, exit_text, log_tail, process_state, stopped_reason
 from weightsync.sync.engine_client import EngineClient
 from weightsync.transport import TransportConfig
 from weightsync.transport.config import receiver_argv
+from weightsync.transport.registry import remove_leftovers
 
 log = logging.getLogger(__name__)
 
 
 class TrainerError(RuntimeError):
     """A trainer rank failed; the message carries its traceback."""
+
+
+DYING_S = 5.0
+"""How long a diagnosis waits for an unhealthy engine that may be ending itself (its exit says why)."""
+ENGINE_CAUSES = ("engine rank process", "engine fault:", "driver did not stop", "stopping the engine")
+"""Words of the lines in which an engine's log says why it stopped serving (engine/serve.py,
+engine/scheduler.py)."""
+
+
+def engine_log_cause(text: str) -> str:
+    """The line of an engine's log that says why it stopped serving, without its timestamp and
+    logger ("" when none does): the last line naming a cause, else the last error line."""
+    lines = text.splitlines()
+    picked = next((ln for ln in reversed(lines) if any(c in ln for c in ENGINE_CAUSES)), "")
+    picked = picked or next((ln for ln in reversed(lines) if " ERROR " in ln), "")
+    return picked.split(": ", 1)[1].strip() if " ERROR " in picked and ": " in picked else picked.strip()
+
+
+def health_cause(client: EngineClient, what: str) -> str:
+    """Why an engine does not serve, as its ``/health`` says ("" when it answers 200)."""
+    status, body = client.health()
+    if status == 200:
+        return ""
+    if status is None:
+        return f"{what} does not answer /health ({body.get('error', 'no answer')})"
+    return f"{what} is unhealthy (HTTP {status}): {body.get('reason') or body}"
 
 
 class EngineProc:
@@ -57,6 +85,29 @@ class EngineProc:
     def tail(self, n: int = 30) -> str:
         return log_tail(self.log_path, n)
 
+    def pids(self) -> list[int]:
+        """Its processes: ``weightsync serve`` (rank 0) and the rank processes below it."""
+        return [self.proc.pid, *descendants(self.proc.pid)] if self.alive() else []
+
+    def diagnose(self) -> str:
+        """Why this engine cannot serve, in one line ("" when nothing is wrong that can be seen): its
+        exit and the cause its log names, a rank process stopped (SIGSTOP), or its ``/health``."""
+        what = f"engine {self.index} ({self.url})"
+        for pid in self.pids():
+            stopped = stopped_reason(pid)
+            if stopped:
+                return f"{what}: {'its rank 0' if pid == self.proc.pid else 'a rank'} cannot answer: {stopped}"
+        unhealthy = health_cause(self.client, what) if self.alive() else ""
+        t0 = time.monotonic()
+        # an engine ending itself (a rank died: its watchdog stops it within a second) says why as it exits
+        while self.alive() and time.monotonic() - t0 < (DYING_S if unhealthy else 1.0):
+            time.sleep(0.1)
+        code = self.proc.poll()
+        if code is not None:
+            cause = engine_log_cause(self.tail(200))
+            return f"{what} exited ({exit_text(code)})" + (f": {cause}" if cause else "")
+        return unhealthy
+
     def request_stop(self) -> None:
         """Ask the engine to shut down (SIGTERM) without waiting; :meth:`stop` waits."""
         if self.alive() and not self._stopping:
@@ -65,6 +116,7 @@ class EngineProc:
 
     def stop(self) -> None:
         self.client.close()
+        pids = self.pids()
         if self.alive():
             self.request_stop()
             try:
@@ -76,6 +128,11 @@ class EngineProc:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=KILL_AFTER_S)
+                # what killed ranks could not remove (their shm segments): theirs, by pid
+                left = remove_leftovers({p for p in pids if not process_state(p) or process_state(p) == "Z"})
+                if left:
+                    log.info("removed %d transport leftover(s) of engine %d: %s", len(left), self.index,
+                             ", ".join(left))
         self._log.close()
 
 
@@ -95,6 +152,9 @@ class AttachedEngine:
 
     def request_stop(self) -> None:
         pass
+
+    def diagnose(self) -> str:
+        return health_cause(self.client, f"engine {self.index} ({self.url})")
 
     def stop(self) -> None:
         self.client.close()

@@ -1,4 +1,5 @@
-"""What a run prints and leaves behind: the per-step table, the summary, ``results.json`` and a plot.
+"""What a run prints and leaves behind: the per-step table, the summary, ``results.json``, a plot,
+and its error without stack frames (:func:`error_summary`).
 
 A step record is a plain dict (JSON-safe) with at least ``step``, ``mode``, ``update_s`` (the
 whole update), ``phases`` (phase name -> seconds, :data:`~weightsync.sync.update_result.PHASES`),
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -294,3 +296,36 @@ def plot_phases(log_dir: Path, steps: Sequence[dict[str, Any]], title: str) -> P
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+TRACEBACK = "Traceback (most recent call last):"
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: |$)")
+"""A traceback's exception line (``RuntimeError: ...``, ``pkg.module.UpdateError: ...``)."""
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+def error_summary(text: str) -> str:
+    """``text`` (a run's error, trainer ranks' tracebacks included) without stack frames: each
+    traceback becomes the words that introduced it and its last exception line (the one a chain
+    ends with); other lines stay as they are."""
+    out: list[str] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        head, found, _ = lines[i].partition(TRACEBACK)
+        i += 1
+        if not found:
+            out.append(head)
+            continue
+        last = ""
+        while i < len(lines):
+            line = lines[i]
+            if not line.strip() or line.startswith((" ", "\t", *_CHAINED)) or line.strip() == TRACEBACK:
+                i += 1
+            elif _EXCEPTION_LINE.match(line):
+                last = line
+                i += 1
+            else:
+                break
+        out.append((head + last).strip())
+    return "\n".join(out)

@@ -33,8 +33,9 @@ from weightsync.engine.config import option_flags
 from weightsync.launch.config import RunConfig
 from weightsync.launch.messages import Export, Memory, SetupUpdater, TrainStep, Update
 from weightsync.launch.placement import EngineEndpoint, LocalPlacement, Placement
-from weightsync.launch.procs import serve_argv
+from weightsync.launch.procs import TrainerError, serve_argv
 from weightsync.launch.report import (
+    error_summary,
     plot_phases,
     step_line,
     step_table,
@@ -124,6 +125,14 @@ class RunSession:
                 self.steps.append(record)
                 self._print_step(record)
             return self.finish()
+        except (RunError, EngineError, TrainerError) as exc:
+            causes = self.procs.diagnose_engines()
+            if not causes:
+                raise
+            # an engine died, hung or faulted: that is the cause, what its callers saw follows from it
+            first = error_summary(str(exc)).splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first if len(first) <= 300 else first[:297] + "..."
+            raise RunError("\n".join(causes) + f"\n(the run stopped at step {len(self.steps)}: {first})") from exc
         finally:
             # the trainer ranks' updaters take the run's weight-update groups off the engines as
             # they stop (engines this run did not start keep serving)

@@ -99,6 +99,31 @@ def process_state(pid: int) -> str:
     return fields[0] if fields else ""
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, theirs, ...), read from ``/proc`` (Linux; [] elsewhere)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def exit_text(code: int) -> str:
+    """A process's exit status in words: ``exit code N`` or ``killed by SIGKILL`` (negative: a signal)."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def stopped_reason(pid: int | None) -> str:
     """Why process ``pid`` cannot answer although it exists ("" when it can, or is gone): it is
     stopped (SIGSTOP, Ctrl-Z, or a debugger holds it)."""

@@ -113,6 +113,18 @@ class EngineClient:
             time.sleep(0.2)
         raise EngineError(f"{self.base_url}: not healthy after {timeout_s:.0f} s ({last})")
 
+    def health(self, timeout_s: float = 5.0) -> tuple[int | None, dict[str, Any]]:
+        """``/health`` once: its status and body (``None`` and ``{"error"}`` when it does not answer)."""
+        try:
+            r = self._http.get("/health", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            return None, {"error": f"{exc.__class__.__name__}: {exc}"}
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        return r.status_code, body if isinstance(body, dict) else {}
+
     # -- information ----------------------------------------------------------------------------
     def server_info(self) -> dict[str, Any]:
         return self._call("GET", "/server_info")
