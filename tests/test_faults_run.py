@@ -133,13 +133,14 @@ def test_writes_dropped_at_step_k_are_never_served(engine: str, e2e_ckpt: Path, 
     s = _state(engine)
     assert (s["state"], s["weight_version"], s["weights_dirty"]) == ("serving", "1", False), s
 
-    # (SKIP_VALIDATION: the step-0 equality check compares with the engine's weights at the start,
-    # which are the failed run's version 1 here, not the checkpoint's; every other check runs)
+    # the next run recovers the engine the failed run left paused and dirty at version 1, under live
+    # traffic: its step-0 check loads this run's checkpoint first and pauses before it resets
     with Recorder(engine) as rec:
         run = run_cli([*RUN, "--num-rollout", "3", "--update-retries", "1", "--engine-urls", engine],
-                      ckpt_dir=e2e_ckpt, log_dir=tmp_path / "retry", env={**hook, "SKIP_VALIDATION": "1"})
+                      ckpt_dir=e2e_ckpt, log_dir=tmp_path / "retry", env=hook)
         time.sleep(1.0)
     assert run.returncode == 0, run.describe()
+    assert run.steps[0]["validation"]["check_weight_update_equal"] == "pass", run.steps[0]
     step2 = run.steps[2]
     assert step2["attempts"] == 2, step2
     assert "fingerprints differ" in step2["failed_attempts"][0], step2

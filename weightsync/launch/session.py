@@ -61,7 +61,7 @@ from weightsync.models.spec import ModelSpec
 from weightsync.plan.inputs import build_inputs
 from weightsync.plan.records import Mode
 from weightsync.sync.engine_client import EngineClient, EngineError
-from weightsync.sync.engines import Engines
+from weightsync.sync.engines import Engines, begin_recovering
 from weightsync.sync.updater_config import UpdaterConfig
 from weightsync.transport import TransportConfig
 
@@ -369,19 +369,20 @@ class RunSession:
     def initial_update(self) -> dict[str, Any]:
         """Step 0: the first update, with the trainer's initial weights.
 
-        Unless ``SKIP_VALIDATION=1`` this is sglang's ``--check-weight-update-equal``: the engines
-        are paused, their weights loaded from the checkpoint are snapshotted, reset to random
-        values, updated (the update resumes them), and compared bit for bit with the snapshot.
+        Unless ``SKIP_VALIDATION=1`` this is sglang's ``--check-weight-update-equal``: the engines'
+        weights loaded from the checkpoint are snapshotted, reset to random values, updated, and
+        compared bit for bit with the snapshot (:meth:`_snapshot_and_reset`; engines this run did
+        not start load the checkpoint first).
         """
         validation: dict[str, str] = {}
         skip = self.cfg.env.skip_validation
         if not skip:
-            # paused first: an attached engine may be serving (reset_tensors refuses a generating one)
-            self.procs.on_engines(lambda c: c.pause_generation())
-            self.procs.on_engines(lambda c: c.weights_checker("snapshot"))
-            self.procs.on_engines(lambda c: c.weights_checker("reset_tensors"))
+            unreadable = [why for why in self.procs.on_engines(self._snapshot_and_reset) if why]
+            if unreadable:
+                skip = True
+                validation["check_weight_update_equal"] = "skipped: " + "; ".join(unreadable)[:500]
         record = self.update(0)
-        if not self.cfg.env.skip_validation:
+        if not skip:
             # A real fp8 checkpoint's weights come back re-quantized from the trainer's dequantized
             # copy: compared dequantized within one fp8 ULP per side, as sglang's checker does; the
             # MLA w_kc / w_vc derived from them then differ too and are left out, as sglang's checker
@@ -391,12 +392,33 @@ class RunSession:
             results = self.procs.on_engines(lambda c: _compare(c, allow_quant_error=allow))
             bad = [f"engine {i}: {r}" for i, r in enumerate(results) if not _compare_ok(r)]
             validation["check_weight_update_equal"] = "pass" if not bad else "fail: " + "; ".join(bad)[:500]
-        else:
+        elif not validation:
             validation["check_weight_update_equal"] = "skipped"
         checks = self.validate(0)
         record["validation"] = {**validation, **checks.pop("validation")}
         record.update(checks)
         return record
+
+    def _snapshot_and_reset(self, client: EngineClient) -> str:
+        """Step 0's check on one engine, before the update: pause it (live requests wait, retracted,
+        instead of failing the reset with 409), snapshot what this run loads, reset. An engine this
+        run did not start may hold another run's weights (a failed run left them): it loads this
+        run's checkpoint first, in a session of its own (a stale one aborted), which the reset then
+        makes dirty. Returns why the check cannot run on it ("" when it can)."""
+        client.pause_generation("retract")
+        if self.cfg.engine_urls:
+            begin_recovering(client)
+            try:
+                client.update_weights_from_disk(str(self.hf_dir.absolute()))
+            except EngineError as exc:  # on another host the path is not there
+                client.abort_weight_update()
+                return f"{client.base_url} cannot load this run's checkpoint ({str(exc)[:200]})"
+            client.end_weight_update()  # post-load: derived tensors too
+        client.weights_checker("snapshot")
+        if self.cfg.engine_urls:
+            client.abort_weight_update()  # unpublished: paused and dirty, as the reset leaves it anyway
+        client.weights_checker("reset_tensors")
+        return ""
 
     def _reference(self, step: int) -> Any:
         """The trainer's global tensors after ``step`` updates, independently of the transfer:

@@ -220,6 +220,12 @@ class EngineClient:
                           json={"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
                                 "flush_cache": flush_cache})
 
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> Any:
+        """Inside a session: every tensor reloaded from the HF checkpoint at ``model_path`` (a path
+        the engine can read)."""
+        return self._call("POST", "/update_weights_from_disk",
+                          json={"model_path": model_path, "weight_version": weight_version}, session=True)
+
     def destroy_weights_update_group(self, group_name: str) -> Any:
         return self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name})
 

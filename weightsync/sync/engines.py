@@ -246,7 +246,7 @@ class Engines:
         Raises:
             EngineError: naming every engine that refused or could not be reached.
         """
-        return self.each(lambda c: _begin(c, pause_free=pause_free, flip=flip), what="begin_weight_update")
+        return self.each(lambda c: begin_recovering(c, pause_free=pause_free, flip=flip), what="begin_weight_update")
 
     def abort_sessions(self, wait_s: float) -> None:
         """``abort_weight_update`` on every engine, waiting at most ``wait_s`` (an engine that is
@@ -266,8 +266,13 @@ class Engines:
             c.close()
 
 
-def _begin(client: EngineClient, **kwargs: Any) -> Any:
-    """``begin_weight_update``, aborting a stale session first (:meth:`Engines.begin_weight_update`)."""
+def begin_recovering(client: EngineClient, **kwargs: Any) -> Any:
+    """``begin_weight_update`` on one engine (``kwargs``: its options), aborting a stale session first
+    (:meth:`Engines.begin_weight_update`).
+
+    Raises:
+        EngineError: the engine refused or could not be reached.
+    """
     try:
         return client.begin_weight_update(**kwargs)
     except EngineError as exc:
