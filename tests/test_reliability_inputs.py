@@ -1,4 +1,5 @@
-"""Bad input is refused before any process starts: one line naming the value and what to do, exit 2;
+"""Bad input is refused before any process starts: one line naming the value and what to do, exit 2
+(``run`` and ``serve``);
 ``prepare`` verifies a checkpoint's files before it trusts its own marker.
 
 The run cases call the CLI's ``main`` in this process (what ``weightsync run`` runs) and check
@@ -26,6 +27,7 @@ def _children() -> set[int]:
 @pytest.mark.parametrize(("argv", "env", "named"), [
     pytest.param([], {"BUCKET_SIZE_GB": "inf"}, "BUCKET_SIZE_GB must be a positive number of GiB", id="bucket-inf"),
     pytest.param([], {"BUCKET_SIZE_GB": "1e-12"}, "got '1e-12'", id="bucket-below-a-byte"),
+    pytest.param([], {"BUCKET_SIZE_GB": "1e300"}, "BUCKET_SIZE_GB must be at most 1024 GiB", id="bucket-1e300"),
     pytest.param(["--transport", "cuda_ipc"], {}, "--transport cuda_ipc moves GPU memory", id="cuda-ipc-on-cpu"),
     pytest.param(["--prompts-per-step", "0"], {}, "--prompts-per-step must be >= 1", id="prompts-0"),
     pytest.param(["--max-new-tokens", "-1"], {}, "--max-new-tokens must be >= 1", id="max-new-tokens-negative"),
@@ -105,6 +107,34 @@ def test_a_run_that_fails_leaves_no_empty_directory(tmp_path: Path, monkeypatch:
     (tmp_path / "kept").mkdir()
     assert main(["run", "Qwen3-4B", "--scale", "full"]) == 2
     assert list((tmp_path / "kept").iterdir()) == [], "the directories the run made are removed, not the others"
+
+
+SERVE = ["serve", "Qwen3-4B", "--scale", "tiny", "--load-format", "dummy"]
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    pytest.param(["--compute-dtype", "foo"], "invalid choice: 'foo'", id="compute-dtype-foo"),
+    pytest.param(["--compute-dtype", "Tensor"], "invalid choice: 'Tensor'", id="compute-dtype-Tensor"),
+    pytest.param(["--port", "99999"], "port must be in 1..65535, got 99999", id="port-99999"),
+    pytest.param(["--group-timeout-s", "inf"], "group_timeout_s must be a positive finite number, got inf",
+                 id="group-timeout-inf"),
+    pytest.param(["--live-check-interval-s", "nan"], "live_check_interval_s must be >= 0", id="live-check-nan"),
+])
+def test_bad_serve_input_is_refused_before_anything_starts(argv: list[str], named: str,
+                                                          capsys: pytest.CaptureFixture[str]):
+    """Values that gave a traceback (``--compute-dtype foo``, ``--port 99999``) or started an engine
+    that cannot work (``--compute-dtype Tensor``, ``--group-timeout-s inf``): exit 2, the value named,
+    no traceback, no process."""
+    before = _children()
+    try:
+        code = main([*SERVE, *argv])
+    except SystemExit as exc:  # argparse's own refusal (a bad choice): usage and one error line
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert named in err, err
+    assert "Traceback" not in err
+    assert _children() == before, "a process was started"
 
 
 def _truncate(path: Path, keep: int) -> None:

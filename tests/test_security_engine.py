@@ -341,6 +341,18 @@ def test_abort_leaves_dirty_at_the_old_version_and_a_later_session_recovers(clie
     assert _gen(client).json()["meta_info"]["weight_version"] == "v2"
 
 
+def test_a_refusal_for_another_session_does_not_say_the_current_one(client: TestClient) -> None:
+    """A call naming another session is refused (409) without echoing the current session's id (which
+    would let the caller act in that session's name)."""
+    _ok(client.post("/pause_generation", json={}))
+    current = _ok(client.post("/begin_weight_update", json={}))["session_id"]
+    r = client.post("/end_weight_update", json={}, headers={"X-Weightsync-Session": "0123456789abcdef"})
+    assert r.status_code == 409, r.text
+    assert "not this engine's current session" in _message(r)
+    assert current not in r.text
+    _ok(client.post("/abort_weight_update", json={}))
+
+
 def test_reset_is_refused_between_an_update_and_its_publication(client: TestClient, ckpt: str) -> None:
     """A reset after ``end_weight_update`` would have the holder publish random weights as the
     version it verified: 409, nothing reset, and the publication serves what the session wrote."""

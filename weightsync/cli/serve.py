@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from weightsync.engine.config import IN_FLIGHT_AT_FLIP, SHADOW_MODES, ServeConfig
+from weightsync.engine.config import COMPUTE_DTYPES, IN_FLIGHT_AT_FLIP, SHADOW_MODES, ServeConfig
 from weightsync.launch.config import env_token
 from weightsync.transport.config import add_receiver_arguments, receiver_config_from_args
 
@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-version", default="default", help="the version /get_weight_version answers "
                         "until an update publishes another")
     parser.add_argument("--dist-port", type=int, default=None, help="process-group rendezvous port (default: free)")
-    parser.add_argument("--compute-dtype", default=None, help="activation dtype (default: float32 on cpu)")
+    parser.add_argument("--compute-dtype", default=None, choices=COMPUTE_DTYPES,
+                        help="activation dtype (default: float32 on cpu, the weights' on cuda)")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per rank on cpu (default: 1)")
     parser.add_argument("--token-file", default=None,
                         help="file holding the token every route but /health requires (default: WEIGHTSYNC_TOKEN); "

@@ -6,6 +6,7 @@ Filled by the command line (:mod:`weightsync.cli.serve`) or by a launcher; read 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from weightsync.models.parallel import RolloutParallel
@@ -19,6 +20,8 @@ SHADOW_MODES = ("auto", "off")
 IN_FLIGHT_AT_FLIP = ("keep", "recompute", "abort")
 """``--in-flight-at-flip``: what a flip does to the running requests
 (:meth:`weightsync.engine.scheduler.Scheduler.flip`)."""
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+"""Activation dtypes the engine computes in."""
 
 DEFAULT_LIVE_CHECK_S = 60.0
 """The live check's interval where peers can write without a token (:attr:`ServeConfig.live_check_s`)."""
@@ -139,6 +142,12 @@ class ServeConfig:
             raise ValueError(f"dtype must be bfloat16, float32 or float16, got {self.dtype!r}")
         if self.load_format == "auto" and self.checkpoint is None:
             raise ValueError("no --checkpoint: pass one, or --load-format dummy for synthetic weights")
+        if self.compute_dtype not in (None, *COMPUTE_DTYPES):
+            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.dist_port is not None and not 1 <= self.dist_port <= 65535:
+            raise ValueError(f"dist_port must be in 1..65535, got {self.dist_port}")
         if self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.transfer_info_format not in TRANSFER_INFO_FORMATS:
@@ -148,8 +157,9 @@ class ServeConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         for name in ("max_request_bytes", "max_queued_requests", "request_timeout_s", "group_timeout_s",
                      "collective_timeout_s", "max_connections", "header_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive finite number, got {value}")
         if self.shadow not in SHADOW_MODES:
             raise ValueError(f"shadow must be one of {', '.join(SHADOW_MODES)}, got {self.shadow!r}")
         if self.in_flight_at_flip not in IN_FLIGHT_AT_FLIP:
@@ -158,7 +168,8 @@ class ServeConfig:
         if self.shared_experts_fusion and self.ep > 1:
             raise ValueError(f"--enforce-shared-experts-fusion with --ep {self.ep}: shared-expert fusion under "
                              "expert parallelism is not supported (sglang scales the shared slots by 1/ep)")
-        if self.live_check_interval_s is not None and not self.live_check_interval_s >= 0:
+        if self.live_check_interval_s is not None and not (self.live_check_interval_s >= 0
+                                                           and math.isfinite(self.live_check_interval_s)):
             raise ValueError(f"live_check_interval_s must be >= 0 (0: off), got {self.live_check_interval_s}")
         if self.token is not None and len(self.token) < 16:
             raise ValueError("the engine token must be at least 16 characters (e.g. python -c 'import secrets; "

@@ -144,9 +144,9 @@ class UpdateSessions:
     def _check_session(self, session_id: str | None) -> None:
         """A call that names a session must name the current one (caller holds the lock)."""
         if session_id is not None and (self.session is None or self.session.id != session_id):
-            current = self.session.id if self.session is not None else "none"
-            raise Conflict(f"update session {session_id!r} is not this engine's current session ({current}): "
-                           f"another update began since")
+            # (the current session's id is not said: it is its holder's to send)
+            raise Conflict(f"update session {session_id!r} is not this engine's current session: another update "
+                           f"began since, or it ended")
 
     def _fail_queued_if_refused(self) -> None:
         """Queued requests are answered as a new one would be: refused where the ``generate``

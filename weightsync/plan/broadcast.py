@@ -31,6 +31,10 @@ DEFAULT_BUCKET_GB = 1.0
 """The reference system's default ``BUCKET_SIZE_GB``, in GiB."""
 
 
+MAX_BUCKET_GB = 1024
+"""The largest bucket size taken (GiB): a bucket is staged in host or device memory."""
+
+
 def bucket_bytes_from_gb(gb: float | str, *, what: str = "bucket size") -> int:
     """A bucket size in GiB (``BUCKET_SIZE_GB``, ``--bucket-gb``; a number or its text) in bytes:
     ``int(gb * 2**30)``. The one parse of the knob: the environment reader and the flags call it.
@@ -40,7 +44,8 @@ def bucket_bytes_from_gb(gb: float | str, *, what: str = "bucket size") -> int:
         what: the knob's name, for the error message.
 
     Raises:
-        ValueError: ``gb`` is not a finite number, or is under one byte (the message names ``what``).
+        ValueError: ``gb`` is not a finite number, is under one byte or over :data:`MAX_BUCKET_GB`
+            (the message names ``what``).
     """
     try:
         x = float(gb)
@@ -48,6 +53,8 @@ def bucket_bytes_from_gb(gb: float | str, *, what: str = "bucket size") -> int:
         raise ValueError(f"{what} must be a number of GiB (2**30 bytes), got {gb!r}") from None
     if not (math.isfinite(x) and x * GIB >= 1):
         raise ValueError(f"{what} must be a positive number of GiB (2**30 bytes, at least one byte), got {gb!r}")
+    if x > MAX_BUCKET_GB:
+        raise ValueError(f"{what} must be at most {MAX_BUCKET_GB} GiB (a bucket is staged in memory), got {gb!r}")
     return int(x * GIB)
 
 
