@@ -16,8 +16,9 @@ Qwen3-MoE, one per module):
 * limits: a body over the limit is a 413, a full queue a 429, a request past its deadline a 503
   (and is aborted); sampling parameters the kernels cannot compute are 400s; a fault answer
   carries no traceback;
-* ``init_weights_update_group`` to a port nobody listens on fails within the group deadline,
-  naming the address, while the engine keeps generating.
+* ``init_weights_update_group`` to a port nobody listens on fails within the refusal grace (not
+  the group deadline), naming the address, while the engine keeps generating; ``backend: nccl``
+  on a CPU engine is refused at once.
 """
 
 from __future__ import annotations
@@ -468,3 +469,31 @@ def test_joining_a_closed_port_is_bounded_and_generation_goes_on(client: TestCli
     assert took < GROUP_TIMEOUT_S + 15
     assert _state(client)["fault"] is None
     pool.shutdown()
+
+
+def test_a_refused_group_join_fails_fast_and_nccl_needs_cuda(client: TestClient,
+                                                             served: tuple[UpdateSessions, Engine, Any]) -> None:
+    """A master address that refuses connections fails the join after the refusal grace, not at the
+    group deadline (600 s here: it took all of it); ``backend: nccl`` on a CPU engine is a 400 at once
+    (it waited 600 s)."""
+    from weightsync.sync.broadcast_receiver import REFUSED_GRACE_S, BroadcastReceiver
+
+    _, engine, _ = served
+    receiver = BroadcastReceiver(engine.store, engine.spec, 0, timeout_s=600.0)
+    port = free_port()  # nobody listens there
+    t0 = time.monotonic()
+    receiver.start_init(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2,
+                        group_name="refused", backend="gloo")
+    while (status := receiver.init_status("refused")) == "pending":
+        time.sleep(0.1)
+    took = time.monotonic() - t0
+    assert f"nobody listens on 127.0.0.1:{port}" in status, status
+    assert REFUSED_GRACE_S <= took < REFUSED_GRACE_S + 10, took
+    t0 = time.monotonic()
+    r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
+                                                        "rank_offset": 1, "world_size": 2, "group_name": "n",
+                                                        "backend": "nccl"})
+    assert r.status_code == 400, r.text
+    assert "backend nccl needs CUDA" in _message(r)
+    assert time.monotonic() - t0 < 10
+    assert _gen(client).status_code == 200

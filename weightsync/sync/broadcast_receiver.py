@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -115,6 +116,29 @@ def check_update_request(spec: ModelSpec, names: list[str], dtypes: list[str], s
 
 
 DEFAULT_TIMEOUT_S = 600.0
+REFUSED_GRACE_S = 10.0
+"""A weight-update group's master that refuses connections this long is not coming: the join fails
+then, instead of at the group deadline (the trainer binds its store before it asks the engines)."""
+
+
+def refused_fast(host: str, port: int, grace_s: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection (closed again at once).
+
+    Raises:
+        ConnectionRefusedError: every attempt for ``grace_s`` was refused (nobody listens there).
+    """
+    end = time.monotonic() + grace_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(1.0, grace_s)):
+                return
+        except ConnectionRefusedError:
+            if time.monotonic() >= end:
+                raise ConnectionRefusedError(f"nobody listens on {host}:{port} (connections refused for "
+                                             f"{grace_s:.0f} s)") from None
+            time.sleep(0.2)
+        except OSError:  # unreachable, a timeout: the group's own deadline decides
+            return
 
 
 class BroadcastReceiver:
@@ -171,11 +195,16 @@ class BroadcastReceiver:
         """
         if group_name in self._groups or group_name in self._joining:
             raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
+        if backend == "nccl" and self.store.device.type != "cuda":
+            raise ValueError(f"backend nccl needs CUDA; this engine's weights are on {self.store.device.type}: "
+                             "use backend gloo")
         errors: list[BaseException] = []
         where = f"{master_address}:{master_port}"
 
         def join() -> None:
             try:
+                if rank_offset + self.rank != 0:  # the master binds it: nobody else waits for a closed port
+                    refused_fast(master_address, master_port, min(REFUSED_GRACE_S, self.timeout_s))
                 pg = new_weight_update_group(
                     master_address=master_address,
                     master_port=master_port,
