@@ -13,11 +13,14 @@ Qwen3-4B, two CPU ranks each):
   every rank process gone and no shm segment of theirs left; shm segments of processes that are
   gone are removed when an engine starts;
 * Mooncake takes a write into the served weights from any peer on its network, token or not; the
-  engine's live check finds such a write and never serves it.
+  engine's live check finds such a write and never serves it;
+* SIGTERM ends an engine whose weight-update group join is pending at once (not at the join's
+  deadline); configuration directories of engines that are gone are removed when one starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -343,3 +346,45 @@ def _foreign_mooncake_write(client: EngineClient, url: str, token: str, ns: str,
     assert client.generate(body)["output_ids"] == out
     again = httpx.post(f"{url}/live_weights_check", headers=auth, timeout=60).json()
     assert (again["checked"], again["match"]) == (True, True), again
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_ends_an_engine_whose_group_join_is_pending(serve: Any, tmp_path: Path) -> None:
+    """SIGTERM while ``init_weights_update_group`` waits on a master that accepts connections but
+    never answers (the join's deadline is 600 s): the engine exits within seconds (it waited for
+    the join's deadline), and a dummy engine's configuration directory goes with it -- or, killed
+    outright, the next engine's start removes it."""
+    import tempfile
+
+    from weightsync.proc import pid_namespace
+
+    master = socket.socket()
+    master.bind(("127.0.0.1", 0))
+    master.listen(8)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = Path(tempfile.gettempdir()) / f"weightsync-config-{dead.pid}-n{pid_namespace()}-0ld"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    proc, url, log = serve(MODEL_ARGS)
+    assert not stale.exists(), "a gone engine's configuration directory is removed at start"
+    mine = sorted(Path(tempfile.gettempdir()).glob(f"weightsync-config-{proc.pid}-n*"))
+    assert len(mine) == 1, mine
+    body = {"master_address": "127.0.0.1", "master_port": master.getsockname()[1], "rank_offset": 1,
+            "world_size": 3, "group_name": "stuck", "backend": "gloo"}
+    pending = threading.Thread(target=lambda: _post_quietly(f"{url}/init_weights_update_group", body), daemon=True)
+    pending.start()
+    time.sleep(3.0)
+    assert pending.is_alive(), "the join is pending"
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    took = time.monotonic() - t0
+    master.close()
+    assert took < 60, f"{took:.0f} s:\n{log.read_text()[-2000:]}"
+    assert not mine[0].exists(), "the engine's configuration directory outlived it"
+
+
+def _post_quietly(url: str, body: dict[str, Any]) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url, json=body, timeout=600)

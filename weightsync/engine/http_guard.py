@@ -23,6 +23,8 @@ The token is the next check (the app's middleware, on the headers, before any bo
 idle keep-alive connections close after uvicorn's ``timeout_keep_alive``.
 
 The bodies themselves are read and parsed within a budget (:mod:`weightsync.engine.http_body`).
+On SIGTERM or Ctrl-C the server (:class:`StoppingServer`) tells the engine's scheduler at once, so
+that requests waiting on it end instead of holding the shutdown.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
@@ -194,3 +197,17 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.write(_TIMEOUT)
         self.transport.close()
 
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, which tells the scheduler at once that the engine stops (SIGTERM, Ctrl-C):
+    calls still waiting on it (a weight-update group join, up to its deadline) end now instead of
+    holding the shutdown, which waits for every request's thread."""
+
+    def __init__(self, scheduler: Any, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.scheduler.begin_stop()
+        super().handle_exit(sig, frame)

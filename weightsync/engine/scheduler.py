@@ -211,9 +211,7 @@ class Scheduler:
         """Finish the running work (at most ``stop_timeout_s``), fail queued requests, release the
         worker ranks. Returns False when the driver thread did not stop in time (the ranks are
         then left to die with this process)."""
-        with self.lock:
-            self.stopped = True
-            self.lock.notify_all()
+        self.begin_stop()
         self._thread.join(timeout=self.stop_timeout_s)
         if self._thread.is_alive():
             logger.error("the engine's driver did not stop within %.0f s (stuck in a collective?); "
@@ -221,6 +219,15 @@ class Scheduler:
             return False
         self.driver.shutdown()
         return True
+
+    def begin_stop(self) -> None:
+        """Refuse new work from now on (``Unavailable``), stop the running batch, let queued jobs
+        finish; :meth:`stop` then waits for the driver. Callers waiting in a loop of jobs (a group
+        join polling its ranks) get ``Unavailable`` at their next call."""
+        with self.lock:
+            self.stopped = True
+            self._abort = True
+            self.lock.notify_all()
 
     def _loop(self) -> None:
         while True:

@@ -14,7 +14,7 @@ peer, removing what its own and the ranks' registrations leave behind first (shm
 ``Transport.remove_leftovers``). With
 ``die_with_parent`` the engine gets SIGTERM when the process that started it dies (a launcher
 killed with SIGKILL included) and stops as on Ctrl-C. At start-up, leftovers of this project's
-transports whose owner process is gone are removed.
+transports and configuration directories whose owner process is gone are removed.
 
 Typical usage::
 
@@ -31,7 +31,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,13 +39,22 @@ from typing import Any
 from weightsync.engine.config import ServeConfig
 from weightsync.layout.sglang_options import layout_options
 from weightsync.models.resolve import describe_model
-from weightsync.proc import die_with_parent, end_child, free_port, process_state
+from weightsync.proc import (
+    die_with_parent,
+    end_child,
+    free_port,
+    owned_temp_dir,
+    process_state,
+    remove_stale_temp_dirs,
+)
 from weightsync.transport.config import NONE
 from weightsync.transport.net import is_loopback
 from weightsync.transport.registry import remove_leftovers
 
 logger = logging.getLogger(__name__)
 
+CONFIG_DIR_PREFIX = "weightsync-config"
+"""The temporary directory holding a dummy-weights engine's ``config.json`` (sglang's model_path)."""
 GRACEFUL_SHUTDOWN_S = 5
 """On stop, requests still waiting after this long (e.g. queued behind a pause) are cancelled."""
 
@@ -73,9 +81,9 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
             validate_checkpoint(spec, ckpt)
     if cfg.die_with_parent:
         die_with_parent(signal.SIGTERM)
-    stale = remove_leftovers()
+    stale = remove_leftovers() + remove_stale_temp_dirs(CONFIG_DIR_PREFIX)
     if stale:
-        logger.info("removed %d transport leftover(s) of processes that are gone: %s", len(stale), ", ".join(stale))
+        logger.info("removed %d leftover(s) of processes that are gone: %s", len(stale), ", ".join(stale))
     port = cfg.dist_port if cfg.dist_port is not None else free_port()
     procs = []
     if par.tp > 1:
@@ -176,8 +184,9 @@ def _worker_main(cfg: ServeConfig, spec: Any, par: Any, rank: int, port: int) ->
 
     parent = os.getppid()
     # rank 0's death (a SIGKILL included) is noticed by a thread and by SIGTERM (PR_SET_PDEATHSIG),
-    # and both clean up; a SIGKILL would leave this rank's shm segments and rank 0's behind
-    signal.signal(signal.SIGTERM, lambda *_: _leave(parent))
+    # and both clean up; a SIGKILL would leave this rank's shm segments and rank 0's behind. While
+    # rank 0 lives, it stops this rank in order (a SIGTERM to the whole group, Ctrl-C's way, waits).
+    signal.signal(signal.SIGTERM, lambda *_: _leave(parent) if os.getppid() != parent else None)
     die_with_parent(signal.SIGTERM)
     threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
@@ -194,7 +203,7 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
 
     from weightsync.engine.control import Driver, Op
     from weightsync.engine.http_api import ServerContext, build_app
-    from weightsync.engine.http_guard import ACCEPT_BACKLOG, ConnectionGuard, connection_cap
+    from weightsync.engine.http_guard import ACCEPT_BACKLOG, ConnectionGuard, StoppingServer, connection_cap
     from weightsync.engine.live_check import LiveCheck
     from weightsync.engine.scheduler import Scheduler
     from weightsync.engine.session import UpdateSessions
@@ -219,7 +228,7 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     if cfg.checkpoint is None:
         # sglang's model_path always names a directory with the model's config.json (dummy
         # weights too): readers such as miles' ServerArgs(**server_info) resolve it
-        config_dir = tempfile.mkdtemp(prefix=f"weightsync-{cfg.model}-config-")
+        config_dir = str(owned_temp_dir(CONFIG_DIR_PREFIX))  # a killed engine's is removed by the next one
         (Path(config_dir) / "config.json").write_text(json.dumps(hf_config_dict(engine.spec), indent=1))
     info = server_info(cfg, engine.spec, par, model_path=cfg.checkpoint or config_dir, tokenizer=tokenizer.name)
     info["weightsync"]["shadow"] = {"pause_free": sessions.shadow, "ranks": [i.shadow for i in infos],
@@ -234,7 +243,7 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     if live is not None:
         live.start()
     try:
-        server = uvicorn.Server(
+        server = StoppingServer(sched,
             uvicorn.Config(
                 build_app(
                     ServerContext(

@@ -16,8 +16,10 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -161,3 +163,39 @@ def end_child(p: BaseProcess, grace_s: float) -> str:
             return how
     log.error("%s (pid %d) survives SIGKILL (uninterruptible sleep?); left to the kernel", p.name, p.pid)
     return "not reaped"
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where ``/proc`` does not say): a pid means a
+    process only within its namespace."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return 0
+    return int(link[link.index("[") + 1 : -1])
+
+
+def owned_temp_dir(prefix: str) -> Path:
+    """A new temporary directory named after this process (``PREFIX-<pid>-n<pid namespace>-*``), so
+    that :func:`remove_stale_temp_dirs` can remove it once this process is gone, however it died."""
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-n{pid_namespace()}-"))
+
+
+def remove_stale_temp_dirs(prefix: str) -> list[str]:
+    """Remove the :func:`owned_temp_dir` directories of ``prefix`` whose process is gone (only those
+    of this pid namespace). Deletes directories in the temporary directory.
+
+    Returns:
+        The paths removed.
+    """
+    mine, removed = pid_namespace(), []
+    for path in Path(tempfile.gettempdir()).glob(f"{prefix}-*-n*-*"):
+        fields = path.name[len(prefix) + 1 :].split("-")
+        try:
+            pid, ns = int(fields[0]), int(fields[1][1:])
+        except (ValueError, IndexError):
+            continue
+        if ns == mine and not process_state(pid) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
