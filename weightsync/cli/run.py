@@ -197,6 +197,10 @@ def _run(cfg: RunConfig, env: EnvSettings) -> int:
         # error.log of the run's log directory)
         print(f"weightsync run: {_error_text(exc, cfg.log_dir)}", file=sys.stderr)
         return 1
+    except OSError as exc:  # its log directory filled up (results, plot, logs): one line naming the file
+        print(f"weightsync run: cannot write {exc.filename or cfg.log_dir} ({exc.strerror or exc}); free space in "
+              f"or point MILES_LOG_DIR away from {cfg.log_dir}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM: everything this run started was stopped on the way out
         print("weightsync run: interrupted; every process this run started is stopped", file=sys.stderr)
         return 130

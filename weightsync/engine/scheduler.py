@@ -226,7 +226,6 @@ class Scheduler:
         join polling its ranks) get ``Unavailable`` at their next call."""
         with self.lock:
             self.stopped = True
-            self._abort = True
             self.lock.notify_all()
 
     def _loop(self) -> None:

@@ -23,6 +23,7 @@ Typical usage::
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import zlib
@@ -293,8 +294,6 @@ def write_hf_checkpoint(
     Returns:
         The directory.
     """
-    from safetensors.torch import save_file
-
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -309,17 +308,35 @@ def write_hf_checkpoint(
         shards[-1][name] = t
         size += nbytes
     if max_shard_bytes is None:
-        save_file(cpu, str(out / SINGLE_FILE), metadata={"format": "pt"})
+        _save_file(cpu, out / SINGLE_FILE)
         return out
     weight_map: dict[str, str] = {}
     for k, shard in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        _save_file(shard, out / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(t.numel() * t.element_size() for t in cpu.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+def _save_file(tensors: dict[str, Any], path: Path) -> None:
+    """``safetensors.torch.save_file``, its I/O errors as :class:`OSError` (a full disk says so
+    and names the file, as every other write does).
+
+    Raises:
+        OSError: the file could not be written.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        full = "No space left" in str(exc)
+        raise OSError(errno.ENOSPC if full else errno.EIO, "No space left on device" if full else str(exc),
+                      str(path)) from None
 
 
 class HFCheckpoint:
