@@ -195,9 +195,9 @@ class BroadcastReceiver:
         """
         if group_name in self._groups or group_name in self._joining:
             raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
-        if backend == "nccl" and self.store.device.type != "cuda":
-            raise ValueError(f"backend nccl needs CUDA; this engine's weights are on {self.store.device.type}: "
-                             "use backend gloo")
+        device = (self._store() if callable(self._store) else self._store).device.type
+        if backend == "nccl" and device != "cuda":
+            raise ValueError(f"backend nccl needs CUDA; this engine's weights are on {device}: use backend gloo")
         errors: list[BaseException] = []
         where = f"{master_address}:{master_port}"
 
