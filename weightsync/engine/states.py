@@ -222,6 +222,8 @@ TRANSITIONS: tuple[Rule, ...] = (
                                            "served until a session publishes"),
     Rule((P,), Event.FOREIGN_WRITE, None, note="dirty; queued requests answered 503"),
     Rule((U, E), Event.FOREIGN_WRITE, None, note="not looked for: a session's writes change the live weights"),
+    Rule((SU, SE), Event.FOREIGN_WRITE, None, note="not looked for while a session is open; the check after its "
+                                                 "publication compares against the new reference"),
     Rule((U, E), Event.ABORT, P, note="the session closes unpublished: old version, dirty if anything reached the "
                                       "served weights (then queued requests are answered 503)"),
     Rule((SU, SE), Event.ABORT, S, note="the session closes unpublished; the served copy was never touched"),
