@@ -403,8 +403,10 @@ class RunSession:
         """Step 0's check on one engine, before the update: pause it (live requests wait, retracted,
         instead of failing the reset with 409), snapshot what this run loads, reset. An engine this
         run did not start may hold another run's weights (a failed run left them): it loads this
-        run's checkpoint first, in a session of its own (a stale one aborted), which the reset then
-        makes dirty. Returns why the check cannot run on it ("" when it can)."""
+        run's checkpoint first, in a session of its own (a stale one aborted) that publishes it --
+        the snapshot reads the served copy, which a session on a shadow copy reaches only by its
+        publication -- and the reset then makes it dirty. Returns why the check cannot run on it
+        ("" when it can)."""
         client.pause_generation("retract")
         if self.cfg.engine_urls:
             begin_recovering(client)
@@ -414,9 +416,8 @@ class RunSession:
                 client.abort_weight_update()
                 return f"{client.base_url} cannot load this run's checkpoint ({str(exc)[:200]})"
             client.end_weight_update()  # post-load: derived tensors too
+            client.update_weight_version("checkpoint")  # served from here on (paused), then snapshotted
         client.weights_checker("snapshot")
-        if self.cfg.engine_urls:
-            client.abort_weight_update()  # unpublished: paused and dirty, as the reset leaves it anyway
         client.weights_checker("reset_tensors")
         return ""
 
