@@ -109,7 +109,9 @@ def test_openapi_has_one_operation_id_per_operation() -> None:
     from collections import Counter
     from types import SimpleNamespace
 
-    sessions: Any = SimpleNamespace(scheduler=None)  # build_app only keeps them for the routes
+    # build_app keeps the sessions for the routes and reads the scheduler's limits (the body budget)
+    sched = SimpleNamespace(max_queued_requests=4, spec=SimpleNamespace(max_position_embeddings=64))
+    sessions: Any = SimpleNamespace(scheduler=sched)
     app = build_app(ServerContext(sessions=sessions, tokenizer=sessions, par=RolloutParallel(), server_info={},
                                   api_docs=True))
     with warnings.catch_warnings():

@@ -521,7 +521,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
         per_rank = await run(sessions.check_weights, body.action, body.seed, body.allow_quant_error, skip)
         return checker_response(body.action, per_rank, body.rank)
 
-    @app.api_route("/live_weights_check", methods=["GET", "POST"])
+    @app.get("/live_weights_check")
+    @app.post("/live_weights_check")
     async def live_weights_check() -> dict[str, Any]:
         if ctx.live_check is None:
             raise ValueError("the live weights check is off (weightsync serve --live-check-interval-s SECONDS)")
