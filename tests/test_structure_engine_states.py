@@ -37,6 +37,8 @@ BEGUN = (State.UPDATING, State.SHADOW_UPDATING)
 """The states a begin enters (where its failure is met)."""
 OPEN = (State.UPDATING, State.ENDED, State.SHADOW_UPDATING, State.SHADOW_ENDED)
 """The states with an open session."""
+JOIN_OUTCOMES = (Event.JOINED, Event.JOIN_FAILED)
+"""Outcomes of a join: met only in the state a join entered (joining)."""
 DOC = ROOT.parent / "docs" / "engine.md"
 BEGIN_MARK = "<!-- states: generated from weightsync/engine/states.py (TRANSITIONS) -->"
 END_MARK = "<!-- states: end -->"
@@ -53,9 +55,12 @@ def test_the_docs_table_is_the_code_table():
 
 def _cases() -> Iterator[tuple[State, Event, Facts]]:
     """Every (state, event, facts) the engine can meet: a failed begin only happens in a state a
-    begin entered (updating, shadow_updating); every call can come in every state."""
+    begin entered (updating, shadow_updating), a join's outcome in joining; every call can come in
+    every state."""
     for state, event in itertools.product(State, Event):
         if event is Event.BEGIN_FAILED and state not in BEGUN:
+            continue
+        if event in JOIN_OUTCOMES and state is not State.JOINING:
             continue
         for values in itertools.product((False, True), repeat=len(Facts.__slots__)):
             yield state, event, Facts(*values)
@@ -101,14 +106,14 @@ def make() -> Iterator[Callable[..., UpdateSessions]]:
     started: list[Scheduler] = []
 
     def build(state: State, *, dirty: bool, wrote: bool, version: bool, p2p: bool, shadow: bool,
-              fail: str = "") -> UpdateSessions:
+              fail: str = "", stale: bool = False) -> UpdateSessions:
         sched = Scheduler(_FakeDriver(fail), job_timeout_s=30, stop_timeout_s=30)
         infos = [TransferInfo(session_id="127.0.0.1:1" if p2p else "none://0", weights={}, descriptor=None, copies=[{}],
                               shadow={"pause_free": shadow})]
         sessions = UpdateSessions(sched, transfer_infos=infos, weight_version="v0", group_timeout_s=5)
         sched.start()
         started.append(sched)
-        sessions.state, sessions.dirty = state, dirty  # the test's set-up: any (state, facts)
+        sessions.state, sessions.dirty, sessions.stale = state, dirty, stale  # the test's set-up: any (state, facts)
         if state in OPEN:
             pause_free = state in (State.SHADOW_UPDATING, State.SHADOW_ENDED)
             sessions.session = Session(id="s0", wrote=wrote, version="v1" if version else None, pause_free=pause_free,
@@ -132,24 +137,32 @@ CALLS: dict[Event, Callable[[UpdateSessions], Any]] = {
     Event.VERSION: lambda s: s.set_weight_version("v2"),
     Event.ABORT: lambda s: s.abort(),
     Event.FOREIGN_WRITE: lambda s: s.foreign_write("a test's"),
+    Event.MARK_STALE: lambda s: s.mark_stale("v9"),
+    Event.JOIN: lambda s: s.start_join("joining: asking a peer"),
+    Event.JOINED: lambda s: s.finish_join("v9"),
+    Event.JOIN_FAILED: lambda s: s.fail_join("every peer failed (injected)"),
+    Event.DONATE: lambda s: s.begin_donation(),
 }
 LOCKED = (Event.GENERATE, Event.FOREIGN_WRITE)
 """Events whose call expects the caller to hold the lock."""
 
 
 FAILED_BEGINS = {State.PAUSED: (State.UPDATING, lambda s: s.begin()),
-                 State.SERVING: (State.SHADOW_UPDATING, lambda s: s.begin(pause_free=True))}
+                 State.SERVING: (State.SHADOW_UPDATING, lambda s: s.begin(pause_free=True)),
+                 State.STALE: (State.SHADOW_UPDATING, lambda s: s.begin(pause_free=True))}
 """A begin that fails on a rank: from the state it starts in, the state it entered and the call."""
 
 
 @pytest.mark.parametrize("event", list(Event), ids=str)
 def test_the_code_follows_the_table(make: Callable[..., UpdateSessions], event: Event):
-    for state, dirty, wrote, version, p2p, shadow in itertools.product(State, *[(False, True)] * 5):
+    for state, dirty, wrote, version, p2p, shadow, stale in itertools.product(State, *[(False, True)] * 6):
         if event is Event.BEGIN_FAILED and state not in FAILED_BEGINS:
             continue  # the outcome of a begin, reached from a state whose begin gets that far
+        if event in JOIN_OUTCOMES and state is not State.JOINING:
+            continue
         facts = Facts(dirty=dirty, generating=False, running=False, wrote=wrote and state in OPEN, writable=p2p,
-                      version_given=version and state in OPEN, shadow=shadow)
-        sessions = make(state, dirty=dirty, wrote=wrote, version=version, p2p=p2p, shadow=shadow,
+                      version_given=version and state in OPEN, shadow=shadow, stale=stale)
+        sessions = make(state, dirty=dirty, wrote=wrote, version=version, p2p=p2p, shadow=shadow, stale=stale,
                         fail="begin_update" if event is Event.BEGIN_FAILED else "")
         where = f"{event} from {state} ({facts})"
         if event is Event.BEGIN_FAILED:

@@ -109,6 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between checks of the served weights against their publication (a write "
                         "outside an update session makes them dirty); 0: off; default: 60 where the p2p transport "
                         "opens ports beyond loopback, else off")
+    parser.add_argument("--join-from", default="", metavar="URL[,URL...]",
+                        help="start joining: copy the fleet's current version from the first healthy of these peer "
+                        "engines (one-sided, verified by fingerprint) instead of loading weights; needs --transport")
+    parser.add_argument("--join-deadline-s", type=float, default=300.0,
+                        help="how long one peer's copy may take before the next peer is tried")
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
 
 
@@ -167,6 +172,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
         live_check_interval_s=args.live_check_interval_s,
+        join_from=tuple(u.strip() for u in args.join_from.split(",") if u.strip()),
+        join_deadline_s=args.join_deadline_s,
     )
 
 

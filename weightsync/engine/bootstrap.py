@@ -142,6 +142,10 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
         shadow=cfg.shadow,
     )
     error: BaseException | None = None
+    if cfg.join_from:  # the weights come from a peer (weightsync.engine.join): nothing to load
+        logger.info("[rank%d] joining from %s: no weights loaded", rank, ", ".join(cfg.join_from))
+        _agree(groups, rank, None)
+        return engine
     try:
         stats = (engine.load_checkpoint(cfg.checkpoint) if cfg.load_format == "auto" and cfg.checkpoint
                  else engine.load_dummy(cfg.seed))

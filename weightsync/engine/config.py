@@ -132,6 +132,12 @@ class ServeConfig:
             return self.live_check_interval_s
         exposed = self.transport is not None and self.transport.backend.opens_ports and not is_loopback(self.host)
         return DEFAULT_LIVE_CHECK_S if exposed else 0.0
+    join_from: tuple[str, ...] = ()
+    """Peer engines (``http://host:port``) to copy the fleet's current version from at start-up,
+    tried in order: the engine starts ``joining``, loads nothing itself and serves once the copy
+    is verified (:mod:`weightsync.engine.join`). Needs a p2p transport."""
+    join_deadline_s: float = 300.0
+    """How long one peer's copy may take before the next peer is tried."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -171,6 +177,10 @@ class ServeConfig:
         if self.live_check_interval_s is not None and not (self.live_check_interval_s >= 0
                                                            and math.isfinite(self.live_check_interval_s)):
             raise ValueError(f"live_check_interval_s must be >= 0 (0: off), got {self.live_check_interval_s}")
+        if self.join_from and self.transport is None:
+            raise ValueError("--join-from needs a p2p transport (--transport): the peer writes into this engine")
+        if not self.join_deadline_s > 0:
+            raise ValueError(f"join_deadline_s must be positive, got {self.join_deadline_s}")
         if self.token is not None and len(self.token) < 16:
             raise ValueError("the engine token must be at least 16 characters (e.g. python -c 'import secrets; "
                              "print(secrets.token_urlsafe(32))')")

@@ -29,6 +29,9 @@ from typing import Any
 import torch.distributed as dist
 
 from weightsync.engine.engine import Engine, FlipAt
+from weightsync.models.parallel import RolloutParallel
+from weightsync.sync.peer_sender import PeerDonation
+from weightsync.transport import TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,8 @@ class Op(enum.StrEnum):
     UPDATE_FROM_DISTRIBUTED = "update_from_distributed"  # names, dtypes, shapes, group_name -> dict
     DESTROY_GROUP = "destroy_group"  # group_name
     UPDATE_FROM_TENSOR = "update_from_tensor"  # entries (one per rank), load_format -> dict
+    DONATE_START = "donate_start"  # joiner, ranks, transport, seed, deadline_s: the copy starts in a thread
+    DONATE_STATUS = "donate_status"  # -> None while it runs, then PeerDonation.result()
     SHUTDOWN = "shutdown"
 
 
@@ -147,6 +152,10 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
                 value = engine.broadcast.destroy_group(a["group_name"])
             case Op.UPDATE_FROM_TENSOR:
                 value = engine.update_from_tensor(a["entries"], a["load_format"])
+            case Op.DONATE_START:
+                value = _start_donation(engine, a)
+            case Op.DONATE_STATUS:
+                value = engine.donation.result() if engine.donation is not None else {"error": "no donation"}
             case Op.SHUTDOWN:
                 value = None
     except Exception as exc:  # shipped to rank 0 with its traceback and re-raised there as RankError
@@ -156,6 +165,16 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
     if engine.rank != 0 and cmd.op in (Op.GENERATE, Op.PROMPT_LOGITS):
         value = None  # rank 0 holds the outputs; do not ship copies back
     return Reply(rank=engine.rank, ok=True, value=value)
+
+
+def _start_donation(engine: Engine, a: dict[str, Any]) -> None:
+    """This rank's share of a copy to a joining engine, started in a thread (served copy as source)."""
+    if engine.donation is not None and engine.donation.result() is None:
+        raise RuntimeError("a copy to another joining engine is still running on this rank")
+    engine.donation = PeerDonation(engine.store, engine.spec, engine.groups.par, engine.rank,
+                                   RolloutParallel(**a["joiner"]), a["ranks"],
+                                   transport=TransportConfig.from_json(a["transport"]), seed=a["seed"],
+                                   deadline_s=a["deadline_s"])
 
 
 def _check(engine: Engine, action: str, seed: int, allow_quant_error: bool, skip: tuple[str, ...]) -> dict[str, Any]:

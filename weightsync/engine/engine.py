@@ -56,6 +56,7 @@ from weightsync.sync.broadcast_receiver import DEFAULT_TIMEOUT_S as DEFAULT_GROU
 from weightsync.sync.broadcast_receiver import BroadcastReceiver, check_update_request
 from weightsync.sync.p2p_receiver import Receiver
 from weightsync.sync.params import ParamStore, write_global
+from weightsync.sync.peer_sender import PeerDonation
 from weightsync.sync.weight_copies import WeightCopies, shadow_fits
 from weightsync.transport import TransportConfig
 from weightsync.transport.config import NONE
@@ -178,6 +179,8 @@ class Engine:
         self.decode: Callable[[list[int]], str] | None = None
         """Rank 0's detokenizer (stop strings); set by the server."""
         self._seed_gen = torch.Generator().manual_seed(1234 + groups.rank)
+        self.donation: PeerDonation | None = None
+        """This rank's copy to a joining peer engine (the last one started)."""
 
     @classmethod
     def build(

@@ -55,6 +55,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from weightsync.engine.control import RankError
+from weightsync.engine.donor import Donor
 from weightsync.engine.http_body import DEFAULT_MAX_REQUEST_BYTES, B, BadBody, BodyBudget, Busy, parse_body
 from weightsync.engine.io_base import TooLarge
 from weightsync.engine.io_generate import GenerateReqInput, to_gen_requests, to_response
@@ -74,7 +75,9 @@ from weightsync.engine.io_struct import (
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
 )
+from weightsync.engine.join import Joiner
 from weightsync.engine.live_check import LiveCheck
+from weightsync.engine.peer_io import DonateWeightsReqInput, JoinFromPeerReqInput, MarkStaleReqInput
 from weightsync.engine.scheduler import EngineTimeout, QueueFull, Unavailable
 from weightsync.engine.session import GroupError, UpdateSessions
 from weightsync.engine.states import Conflict
@@ -114,6 +117,9 @@ ROUTES = (
     "/update_weights_from_disk",
     "/weights_checker",
     "/live_weights_check",
+    "/mark_stale",
+    "/join_from_peer",
+    "/donate_weights",
 )
 """Every route the app serves (pinned by a surface test)."""
 OPEN_ROUTES = ("/health",)
@@ -151,6 +157,11 @@ class ServerContext:
     parse_budget_bytes: int | None = None
     """Bytes of bodies read and parsed at once (:class:`~weightsync.engine.http_body.BodyBudget`);
     None: ``max_request_bytes``."""
+    joiner: Joiner | None = None
+    """Copies the fleet's version from a peer (``/join_from_peer``); None: the route refuses."""
+    donor: Donor | None = None
+    """Copies this engine's served weights into a joiner (``/donate_weights``); None: the route refuses."""
+
 
 
 class RouteError(Exception):
@@ -527,5 +538,33 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if ctx.live_check is None:
             raise ValueError("the live weights check is off (weightsync serve --live-check-interval-s SECONDS)")
         return {"success": True, **await run(ctx.live_check.check)}
+    # -- the fleet (extensions) ----------------------------------------------------------------
+
+    @app.post("/mark_stale")
+    async def mark_stale(request: Request) -> dict[str, Any]:
+        body = await body_of(request, MarkStaleReqInput)
+        return {"success": True, **await run(sessions.mark_stale, body.published_version)}
+
+    @app.post("/join_from_peer")
+    async def join_from_peer(request: Request) -> JSONResponse:
+        body = await body_of(request, JoinFromPeerReqInput)
+        if ctx.joiner is None:
+            raise ValueError("this engine cannot join from a peer (no joiner configured)")
+        ctx.joiner.check()
+        await run(sessions.start_join, f"joining: asking {body.peers[0]} for its version")
+        ctx.joiner.start(body.peers)
+        if not body.wait:
+            return JSONResponse({"success": True, "state": "joining", "message": f"joining from {body.peers}"})
+        out = await run(ctx.joiner.wait)
+        if out is None or not out["success"]:
+            return control(503, f"join failed: {sessions.status()['reason']}")
+        return JSONResponse({**out, "state": sessions.status()["state"]})
+
+    @app.post("/donate_weights")
+    async def donate_weights(request: Request) -> dict[str, Any]:
+        body = await body_of(request, DonateWeightsReqInput)
+        if ctx.donor is None:
+            raise ValueError("this engine cannot give its weights to a peer (no donor configured)")
+        return await run(ctx.donor.donate, body)
 
     return app

@@ -201,9 +201,12 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     """Serve until stopped; False when the driver could not be stopped (stuck)."""
     import uvicorn
 
+    from weightsync.engine.bootstrap import transport_config
     from weightsync.engine.control import Driver, Op
+    from weightsync.engine.donor import Donor
     from weightsync.engine.http_api import ServerContext, build_app
     from weightsync.engine.http_guard import ACCEPT_BACKLOG, ConnectionGuard, StoppingServer, connection_cap
+    from weightsync.engine.join import Joiner
     from weightsync.engine.live_check import LiveCheck
     from weightsync.engine.scheduler import Scheduler
     from weightsync.engine.session import UpdateSessions
@@ -219,8 +222,11 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
         job_timeout_s=max(3 * cfg.collective_timeout_s, cfg.group_timeout_s) + 60.0,
     )
     infos = driver.run(Op.TRANSFER_INFO)
+    joining = f"joining: asking {cfg.join_from[0]} for its version" if cfg.join_from else None
     sessions = UpdateSessions(sched, transfer_infos=infos, weight_version=cfg.weight_version,
-                              group_timeout_s=cfg.group_timeout_s, in_flight_at_flip=cfg.in_flight_at_flip)
+                              group_timeout_s=cfg.group_timeout_s, in_flight_at_flip=cfg.in_flight_at_flip,
+                              joining=joining)
+    joiner = Joiner(sessions, token=cfg.token, deadline_s=cfg.join_deadline_s)
     tokenizer = load_tokenizer(engine.spec.vocab_size, cfg.checkpoint)
     engine.eos_token_ids = tokenizer.eos_token_ids
     engine.decode = tokenizer.decode
@@ -242,6 +248,8 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
     sched.start()
     if live is not None:
         live.start()
+    if cfg.join_from:
+        joiner.start(cfg.join_from)
     try:
         server = StoppingServer(sched,
             uvicorn.Config(
@@ -257,6 +265,8 @@ def _serve(cfg: ServeConfig, engine: Any, par: Any, log_level: str, watching: th
                         max_request_bytes=cfg.max_request_bytes,
                         request_timeout_s=cfg.request_timeout_s,
                         live_check=live,
+                        joiner=joiner,
+                        donor=Donor(sessions, transport_config(cfg)),
                     )
                 ),
                 host=cfg.host,

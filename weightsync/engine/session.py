@@ -42,6 +42,7 @@ from weightsync.engine.control import Op
 from weightsync.engine.engine import TransferInfo
 from weightsync.engine.loader import validate_checkpoint
 from weightsync.engine.scheduler import Scheduler, Unavailable
+from weightsync.engine.session_fleet import FleetSessions
 from weightsync.engine.states import Conflict, Event, Facts, Rule, State, When, decide
 from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.sync.broadcast_receiver import check_update_request
@@ -75,7 +76,7 @@ class Session:
     """How its publication flips (``swap``, ``copy``), None when it writes the served copy in place."""
 
 
-class UpdateSessions:
+class UpdateSessions(FleetSessions):
     """The engine's weight state and its update sessions (module docstring); the scheduler's gate.
 
     Every method that changes the state holds the scheduler's lock while it decides and enters a
@@ -83,7 +84,8 @@ class UpdateSessions:
     """
 
     def __init__(self, scheduler: Scheduler, *, transfer_infos: list[TransferInfo], weight_version: str = "default",
-                 group_timeout_s: float | None = None, in_flight_at_flip: str = "keep") -> None:
+                 group_timeout_s: float | None = None, in_flight_at_flip: str = "keep",
+                 joining: str | None = None) -> None:
         """Args:
         scheduler: rank 0's scheduler (this object becomes its gate).
         transfer_infos: every rank's :class:`~weightsync.engine.engine.TransferInfo`: what senders
@@ -93,6 +95,7 @@ class UpdateSessions:
             receivers' own timeout).
         in_flight_at_flip: what a flip does to the running batch (``keep``, ``recompute``,
             ``abort``; :meth:`Scheduler.flip <weightsync.engine.scheduler.Scheduler.flip>`).
+        joining: start ``joining`` with this reason (``serve --join-from``); None: ``serving``.
         """
         self.scheduler = scheduler
         self.driver = scheduler.driver
@@ -107,11 +110,21 @@ class UpdateSessions:
         self.shadow = all(info.shadow["pause_free"] for info in transfer_infos)
         """Every rank holds a shadow copy: pause-free sessions are possible."""
         self.in_flight_at_flip = in_flight_at_flip
-        self.state = State.SERVING
+        self.state = State.SERVING if joining is None else State.JOINING
         self.dirty = False
         self.session: Session | None = None
         self.publications = 0
         """How many times weights were published since start (the live check's reference follows it)."""
+        self.join_reason = joining or ""
+        """What a joining engine is doing (the 503's and /health's reason)."""
+        self.fleet_version: str | None = None
+        """The version the fleet published, as ``/mark_stale`` told it (None: not stale)."""
+        self.join_error = ""
+        """Why the last join failed (every peer's error)."""
+        self.stale = False
+        """Marked stale (or a join failed) and nothing published since: the served copy is not the fleet's."""
+        self._donations = 0
+        self._flipping = 0
         self._groups: set[str] = set()
         self._joining: set[str] = set()
         scheduler.attach(self)
@@ -122,7 +135,8 @@ class UpdateSessions:
         s = self.session
         return Facts(dirty=self.dirty, generating=self.scheduler.generating(), running=self.scheduler.running,
                      wrote=s is not None and s.wrote, writable=self.p2p,
-                     version_given=s is not None and s.version is not None, shadow=self.shadow)
+                     version_given=s is not None and s.version is not None, shadow=self.shadow,
+                     stale=self.stale)
 
     def _decide(self, event: Event, what: str = "") -> Rule:
         """The rule for ``event`` now (caller holds the lock).
@@ -132,7 +146,8 @@ class UpdateSessions:
         """
         rule = decide(self.state, event, self._facts())
         if rule.refuse is not None:
-            raise rule.refuse(rule.why.format(version=self.weight_version, state=self.state.value, what=what))
+            raise rule.refuse(rule.why.format(version=self.weight_version, state=self.state.value, what=what,
+                                              reason=self.reason()))
         return rule
 
     def _enter(self, rule: Rule) -> None:
@@ -140,6 +155,16 @@ class UpdateSessions:
         if rule.then is not None:
             self.state = rule.then
         self.lock.notify_all()
+
+    def reason(self) -> str:
+        """Why a joining or stale engine serves nothing ("" in the other states; lock held)."""
+        if self.state is State.JOINING:
+            return self.join_reason
+        if self.state is State.STALE:
+            fleet = f"fleet published {self.fleet_version!r}" if self.fleet_version else "the fleet's version unknown"
+            failed = f" (join failed: {self.join_error})" if self.join_error else ""
+            return f"stale: holds version {self.weight_version!r}, {fleet}{failed}"
+        return ""
 
     def _check_session(self, session_id: str | None) -> None:
         """A call that names a session must name the current one (caller holds the lock)."""
@@ -205,6 +230,8 @@ class UpdateSessions:
             raise ValueError(f"flip must be one of {', '.join(FLIPS)}, got {flip!r}")
         event = Event.BEGIN_SHADOW if pause_free else Event.BEGIN
         with self.lock:
+            if not pause_free:  # it may write the served copy in place: not while a peer copies it
+                self._await_donations("begin_weight_update")
             rule = self._decide(event)
             previous = self.session
             self.session = Session(id=secrets.token_hex(8), pause_free=pause_free)
@@ -249,18 +276,18 @@ class UpdateSessions:
             session = self.session
             assert session is not None
         published: dict[str, Any] = {}
-        if rule.when is When.NOTHING_WRITTEN:
+        if rule.when in (When.NOTHING_WRITTEN, When.STALE_UNWRITTEN):
             # reset_tensors -> begin -> end serves nothing: dirty weights stay dirty
             self.scheduler.call(lambda: self.driver.run(Op.ABORT_UPDATE), "end_weight_update")
             message = "Success. Nothing was written." + (" The weights stay dirty." if self.dirty else "")
         elif rule.when is When.VERSION_GIVEN:
-            published = self._flip(session)
+            published = self._flip(session.version)
             message = f"Success. Weight version {session.version} published."
         else:
             message = ("Success. The weights are not published yet: verify them, then call "
                        "/update_weight_version (or /abort_weight_update).")
         with self.lock:
-            if rule.when is When.NOTHING_WRITTEN:
+            if rule.when in (When.NOTHING_WRITTEN, When.STALE_UNWRITTEN):
                 self.session = None
             elif rule.when is When.VERSION_GIVEN:
                 self._published(session.version)  # type: ignore[arg-type]
@@ -269,17 +296,24 @@ class UpdateSessions:
                     "per_rank_post_load_seconds": per_rank, "state": self.state.value, "weights_dirty": self.dirty,
                     **published}
 
-    def _flip(self, session: Session) -> dict[str, Any]:
-        """Publish ``session``'s copy on every rank (a flip, unless it was written in place) and
-        the version with it; waits until it is served. ``{"flip", "flip_at", "flip_seconds",
+    def _flip(self, version: str | None) -> dict[str, Any]:
+        """Publish the session's copy on every rank (a flip, unless it was written in place) and
+        ``version`` with it; waits until it is served. ``{"flip", "flip_at", "flip_seconds",
         "engine_idle_s"}``."""
-        version = session.version
         assert version is not None
 
         def on_flip() -> None:  # under the lock, as the flip is applied: batches from here carry it
             self.weight_version = version
 
-        out = self.scheduler.flip(version, on_flip=on_flip, in_flight=self.in_flight_at_flip)
+        with self.lock:  # a peer copying the served copy finishes first; none starts meanwhile
+            self._await_donations("the flip")
+            self._flipping += 1
+        try:
+            out = self.scheduler.flip(version, on_flip=on_flip, in_flight=self.in_flight_at_flip)
+        finally:
+            with self.lock:
+                self._flipping -= 1
+                self.lock.notify_all()
         return {"flip": out.get("flip"), "flip_at": out["at"], "flip_seconds": out["seconds"],
                 "engine_idle_s": out["idle_s"]}
 
@@ -289,6 +323,9 @@ class UpdateSessions:
         self.dirty = False
         self.session = None
         self.publications += 1
+        self.fleet_version = None
+        self.join_error = ""
+        self.stale = False
 
     def abort(self, session_id: str | None = None) -> dict[str, Any]:
         """``/abort_weight_update`` (an extension): end the session without publishing. A session
@@ -339,7 +376,7 @@ class UpdateSessions:
                 self._enter(rule)
                 return {"effect": "labelled", "state": self.state.value}
             session.version = version
-        published = self._flip(session)
+        published = self._flip(session.version)
         with self.lock:
             self._published(version)
             self._enter(rule)
@@ -493,6 +530,7 @@ class UpdateSessions:
         ``weights_checker reset_tensors`` rows -- dirty, and a serving engine pauses)."""
         if action == "reset_tensors":
             with self.lock:
+                self._await_donations("reset_tensors")
                 rule = self._decide(Event.RESET)
                 self.dirty = True
                 if self.state in (State.UPDATING, State.SHADOW_UPDATING):
@@ -535,6 +573,8 @@ class UpdateSessions:
                 "pending_weight_version": self.session.version if self.session is not None else None,
                 "session_pause_free": self.session.pause_free if self.session is not None else None,
                 "shadow": self.shadow,
+                "reason": self.reason() or None,
+                "fleet_weight_version": self.fleet_version,
                 **self.scheduler.status(),
             }
 
@@ -543,5 +583,6 @@ class UpdateSessions:
         answers and can be updated); with the state, dirty flag and published version."""
         st = self.status()
         ok = st["fault"] is None and not self.scheduler.stopped
-        return ok, {"status": "ok" if ok else "unhealthy", **({"reason": st["fault"]} if st["fault"] else {}),
+        reason = st["fault"] or st["reason"]
+        return ok, {"status": "ok" if ok else "unhealthy", **({"reason": reason} if reason else {}),
                     **{k: st[k] for k in ("state", "weights_dirty", "weight_version")}}

@@ -13,6 +13,12 @@ paused engine) goes through ``updating`` and ``ended`` while generation waits. O
 pause-free (``begin_weight_update`` with ``pause_free``, on an engine that holds a shadow copy of
 its parameters) goes through ``shadow_updating`` and ``shadow_ended`` while the engine keeps
 generating from its served copy; its publication is a flip at a step boundary.
+
+Two states are about the fleet rather than a session. ``joining``: the engine copies the fleet's
+current version from a peer engine (``serve --join-from``, ``/join_from_peer``), verifies it by
+fingerprint and only then serves it (:mod:`weightsync.engine.join`). ``stale``: the engine was
+dropped from an update (``/mark_stale``) and holds an older version than the one the fleet
+published; it serves nothing until it rejoins from a peer or takes part in the next update.
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ class State(enum.StrEnum):
     """A pause-free session is open: writes go to the shadow, the engine generates from the served copy."""
     SHADOW_ENDED = "shadow_ended"
     """A pause-free session ended (post-load on the shadow done); the engine generates meanwhile."""
+    JOINING = "joining"
+    """The engine copies the fleet's current version from a peer into its shadow; it serves nothing."""
+    STALE = "stale"
+    """The engine missed a published update: it serves nothing until it rejoins."""
 
 
 class Event(enum.StrEnum):
@@ -69,6 +79,15 @@ class Event(enum.StrEnum):
     FOREIGN_WRITE = "live weights changed outside a session"
     """The live check (:mod:`weightsync.engine.live_check`) found the served weights changed since
     their publication with no session open: a write nobody published (a transport's peer)."""
+    MARK_STALE = "mark_stale"
+    """The fleet tells the engine it was dropped from an update (an extension)."""
+    JOIN = "join_from_peer"
+    """``/join_from_peer`` or ``serve --join-from`` (an extension)."""
+    JOINED = "join verified"
+    """The copy from a peer landed and its fingerprints match: the engine flips it in."""
+    JOIN_FAILED = "join fails on every peer"
+    DONATE = "donate_weights"
+    """A joining peer asks for this engine's served copy (an extension)."""
 
 
 class When(enum.StrEnum):
@@ -85,6 +104,9 @@ class When(enum.StrEnum):
     """``update_weight_version`` inside the session, or an update call's ``weight_version``."""
     NO_SHADOW = "no shadow copy"
     """The engine holds no shadow copy (``serve --shadow off``, or no memory for one)."""
+    STALE = "stale"
+    """The engine was marked stale and has published nothing since."""
+    STALE_UNWRITTEN = "stale, nothing written, nothing writable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +120,7 @@ class Facts:
     writable: bool
     version_given: bool
     shadow: bool
+    stale: bool = False
 
 
 HOLDS: dict[When, Callable[[Facts], bool]] = {
@@ -108,6 +131,8 @@ HOLDS: dict[When, Callable[[Facts], bool]] = {
     When.NOTHING_WRITTEN: lambda f: not (f.wrote or f.writable),
     When.VERSION_GIVEN: lambda f: f.version_given,
     When.NO_SHADOW: lambda f: not f.shadow,
+    When.STALE: lambda f: f.stale,
+    When.STALE_UNWRITTEN: lambda f: f.stale and not (f.wrote or f.writable),
 }
 
 
@@ -123,20 +148,28 @@ class Rule:
     refuse: type[Exception] | None = None
     """Refused with this exception (nothing changes); its ``http_status`` is the answer's."""
     why: str = ""
-    """The refusal's message (``{version}``, ``{state}`` and ``{what}`` are filled in)."""
+    """The refusal's message (``{version}``, ``{state}``, ``{what}`` and ``{reason}``, the joining or
+    stale engine's reason, are filled in)."""
     note: str = ""
     """What else happens, or why it is refused when the message alone does not say (for the docs)."""
 
 
 S, P, U, E = State.SERVING, State.PAUSED, State.UPDATING, State.ENDED
 SU, SE = State.SHADOW_UPDATING, State.SHADOW_ENDED
-DIRTY_WHY = ("the engine's weights are dirty (reset, or partly written by an update that was not published) and no "
-             "update is in progress: nothing is served until an update session writes, verifies and publishes them "
-             "(weight version still {version!r})")
+J, T = State.JOINING, State.STALE
+DIRTY_WHY = ("the engine's weights are dirty (reset, partly written by an update that was not published, or stale) "
+             "and no update is in progress: nothing is served until an update session writes, verifies and "
+             "publishes them (weight version still {version!r})")
 PAUSE_FIRST = "; call /pause_generation first"
 IN_PROGRESS = "a weight update is already in progress (begin_weight_update was called); end or abort it first"
+JOINING_WHY = "{reason}; wait until it serves (GET /health)"
+STALE_WHY = "{reason}; rejoin first (/join_from_peer) or take part in the next update"
 
 TRANSITIONS: tuple[Rule, ...] = (
+    Rule((J,), Event.GENERATE, None, refuse=Unavailable, why="{reason}",
+         note="nothing is served before the copy from a peer is verified and flipped in; queued requests too"),
+    Rule((T,), Event.GENERATE, None, refuse=Unavailable, why="{reason}",
+         note="an older version than the fleet's is never served; queued requests too"),
     Rule((S, P, SU, SE), Event.GENERATE, None, When.DIRTY, Unavailable, DIRTY_WHY,
          note="dirty weights are never served; queued requests too are answered so"),
     Rule((S,), Event.GENERATE, None, note="runs in the next batch"),
@@ -148,6 +181,9 @@ TRANSITIONS: tuple[Rule, ...] = (
     Rule((SU,), Event.PAUSE, U, note="the same stop; the pause-free session goes on with generation paused"),
     Rule((SE,), Event.PAUSE, E, note="the same stop; the ended pause-free session waits paused"),
     Rule((P, U, E), Event.PAUSE, None, note="the same stop; the state is kept"),
+    Rule((J, T), Event.PAUSE, None, note="nothing runs; the state is kept"),
+    Rule((J,), Event.CONTINUE, None, refuse=Conflict, why=JOINING_WHY),
+    Rule((T,), Event.CONTINUE, None, refuse=Conflict, why=STALE_WHY),
     Rule((U,), Event.CONTINUE, None, refuse=Conflict,
          why="a weight update is in progress; call /end_weight_update first"),
     Rule((E,), Event.CONTINUE, None, refuse=Conflict,
@@ -158,6 +194,7 @@ TRANSITIONS: tuple[Rule, ...] = (
     Rule((S, P), Event.CONTINUE, S, note="queued requests run"),
     Rule((SU, SE), Event.CONTINUE, None, note="generation runs already"),
     Rule((U, SU), Event.BEGIN, None, refuse=Conflict, why=IN_PROGRESS),
+    Rule((J,), Event.BEGIN, None, refuse=Conflict, why=JOINING_WHY),
     Rule((S, SE), Event.BEGIN, None, When.GENERATING, Conflict, "begin_weight_update while generation is in "
          "progress" + PAUSE_FIRST),
     Rule((S, SE), Event.BEGIN, None, refuse=Conflict, why="begin_weight_update needs a paused engine (or "
@@ -168,8 +205,11 @@ TRANSITIONS: tuple[Rule, ...] = (
                                     "sglang's table publishes): in place when served (dirty from here on where "
                                     "senders write it, p2p), else a shadow refreshed from the served copy"),
     Rule((E,), Event.BEGIN, U, note="a new session replaces the unpublished one (recovery); as above"),
+    Rule((T,), Event.BEGIN, U, note="a session on a stale engine (dirty: nothing is served before its publication "
+                                    "and continue_generation); as above"),
     Rule((U, SU), Event.BEGIN_SHADOW, None, refuse=Conflict, why=IN_PROGRESS),
-    Rule((S, P, E, SE), Event.BEGIN_SHADOW, None, When.NO_SHADOW, Conflict,
+    Rule((J,), Event.BEGIN_SHADOW, None, refuse=Conflict, why=JOINING_WHY),
+    Rule((S, P, E, SE, T), Event.BEGIN_SHADOW, None, When.NO_SHADOW, Conflict,
          "this engine holds no shadow copy (serve --shadow off, or no memory for one): update it paused (pause, "
          "then begin without pause_free)", note="the updater falls back to the paused transaction"),
     Rule((P, E), Event.BEGIN_SHADOW, None, When.BATCH_RUNNING, Conflict, "begin_weight_update while a batch is "
@@ -179,15 +219,21 @@ TRANSITIONS: tuple[Rule, ...] = (
     Rule((SE,), Event.BEGIN_SHADOW, SU, note="a new pause-free session replaces the unpublished one (recovery)"),
     Rule((P, E), Event.BEGIN_SHADOW, U, note="a session on the shadow of a paused engine (replacing an unpublished "
                                              "one); generation stays paused"),
+    Rule((T,), Event.BEGIN_SHADOW, SU, note="a pause-free session on a stale engine: its publication rejoins the "
+                                            "fleet; until then nothing is served (dirty)"),
+    Rule((U, SU), Event.BEGIN_FAILED, T, When.STALE, note="no session; still stale"),
     Rule((U,), Event.BEGIN_FAILED, P, note="no session; dirty as it was"),
     Rule((SU,), Event.BEGIN_FAILED, S, note="no session; the served copy untouched"),
     Rule((U, SU), Event.WRITE, None, note="the session wrote, into its copy: dirty where that is the served copy; a "
                                           "weight_version given is the version end publishes"),
-    Rule((S, P, E, SE), Event.WRITE, None, refuse=OutsideSession,
+    Rule((J,), Event.WRITE, None, refuse=Conflict, why=JOINING_WHY),
+    Rule((S, P, E, SE, T), Event.WRITE, None, refuse=OutsideSession,
          why="{what} must run between begin_weight_update() and end_weight_update() (the engine is {state}); pause, "
              "begin, write, end", note="a write outside a session (sglang 0.5.23's rule too); nothing is written"),
     Rule((SU, SE), Event.RESET, None, refuse=Conflict, why="reset_tensors during a pause-free weight update; abort "
          "it, or pause first"),
+    Rule((J,), Event.RESET, None, refuse=Conflict, why=JOINING_WHY),
+    Rule((T,), Event.RESET, None, note="dirty; still stale"),
     Rule((E,), Event.RESET, None, refuse=Conflict,
          why="the weight update ended and awaits its holder's verification and publication: a reset now would have it "
              "publish weights it did not write; call /abort_weight_update first",
@@ -197,8 +243,10 @@ TRANSITIONS: tuple[Rule, ...] = (
     Rule((S,), Event.RESET, P, note="dirty; queued requests answered 503"),
     Rule((U,), Event.RESET, None, note="dirty; the session wrote (its holder's verification sees it)"),
     Rule((P,), Event.RESET, None, note="dirty; queued requests answered 503"),
-    Rule((S, P, E, SE), Event.END, None, refuse=Conflict, why="no weight update in progress; call "
+    Rule((J,), Event.END, None, refuse=Conflict, why=JOINING_WHY),
+    Rule((S, P, E, SE, T), Event.END, None, refuse=Conflict, why="no weight update in progress; call "
          "/begin_weight_update first"),
+    Rule((U, SU), Event.END, T, When.STALE_UNWRITTEN, note="nothing to publish: the session closes; still stale"),
     Rule((U,), Event.END, P, When.NOTHING_WRITTEN, note="post-load; nothing to publish: the session closes, dirty "
                                                         "stays dirty"),
     Rule((SU,), Event.END, S, When.NOTHING_WRITTEN, note="nothing to publish: the session closes"),
@@ -214,19 +262,43 @@ TRANSITIONS: tuple[Rule, ...] = (
                                       "clean at the version (effect published)"),
     Rule((SE,), Event.VERSION, S, note="the publication: a flip at the next step boundary on every rank, answered "
                                        "once flipped (effect published)"),
+    Rule((J,), Event.VERSION, None, refuse=Conflict, why=JOINING_WHY),
+    Rule((T,), Event.VERSION, None, refuse=Conflict, why=STALE_WHY,
+         note="a label cannot make a stale engine current: only a join or a session's publication does"),
     Rule((S, P), Event.VERSION, None, When.DIRTY, Conflict, DIRTY_WHY,
          note="a label cannot clean dirty weights: only a session's publication does"),
     Rule((S, P), Event.VERSION, None, note="a new label of the clean weights (effect labelled)"),
-    Rule((S, P), Event.ABORT, None, refuse=Conflict, why="no weight update session to abort"),
+    Rule((J,), Event.ABORT, None, refuse=Conflict, why=JOINING_WHY,
+         note="a join is no update session: it ends by itself (serving, or stale when every peer failed)"),
+    Rule((S, P, T), Event.ABORT, None, refuse=Conflict, why="no weight update session to abort"),
+    Rule((U, E, SU, SE), Event.ABORT, T, When.STALE, note="the session closes unpublished; still stale"),
     Rule((S,), Event.FOREIGN_WRITE, P, note="dirty: the engine pauses, queued requests are answered 503, nothing is "
                                            "served until a session publishes"),
     Rule((P,), Event.FOREIGN_WRITE, None, note="dirty; queued requests answered 503"),
     Rule((U, E), Event.FOREIGN_WRITE, None, note="not looked for: a session's writes change the live weights"),
     Rule((SU, SE), Event.FOREIGN_WRITE, None, note="not looked for while a session is open; the check after its "
                                                  "publication compares against the new reference"),
+    Rule((J, T), Event.FOREIGN_WRITE, None, note="not looked for: what is served is not the fleet's version (a join "
+                                               "or the next update replaces it)"),
     Rule((U, E), Event.ABORT, P, note="the session closes unpublished: old version, dirty if anything reached the "
                                       "served weights (then queued requests are answered 503)"),
     Rule((SU, SE), Event.ABORT, S, note="the session closes unpublished; the served copy was never touched"),
+    Rule((J, T), Event.MARK_STALE, None, note="the fleet's newer version is recorded in the reason"),
+    Rule((S, P, U, E, SU, SE), Event.MARK_STALE, T, note="dirty; an open session is aborted, the running batch and "
+                                                          "the queued requests end (503)"),
+    Rule((J,), Event.JOIN, None, refuse=Conflict, why="a join from a peer is already in progress ({reason})"),
+    Rule((U, E, SU, SE), Event.JOIN, None, refuse=Conflict, why=IN_PROGRESS),
+    Rule((S, P, T), Event.JOIN, J, note="the running batch and the queued requests end (503); the copy from the "
+                                        "first healthy peer goes to the shadow"),
+    Rule((J,), Event.JOINED, S, note="the copy is post-loaded and flipped in at the peer's version: clean, serving"),
+    Rule((J,), Event.JOIN_FAILED, T, note="every peer failed (each named in the reason); the served copy untouched"),
+    Rule((J, T), Event.DONATE, None, refuse=Conflict, why="this engine does not hold the fleet's version ({reason})"),
+    Rule((S, P, U, E, SU, SE), Event.DONATE, None, When.DIRTY, Conflict, DIRTY_WHY,
+         note="dirty weights are never given away"),
+    Rule((U, E), Event.DONATE, None, refuse=Conflict, why="a paused update session may write the served copy in "
+         "place; ask another peer, or again after its publication"),
+    Rule((S, P, SU, SE), Event.DONATE, None, note="the served copy is written to the joiner while the engine "
+                                                  "generates; flips and in-place writes wait until it ends"),
 )
 """The engine's state machine (module docstring): for an event, the first rule whose states hold
 the engine's state and whose condition holds is the one that applies."""

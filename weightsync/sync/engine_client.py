@@ -231,3 +231,17 @@ class EngineClient:
 
     def weights_checker(self, action: str, **extra: Any) -> Any:
         return self._call("POST", "/weights_checker", json={"action": action, **extra})
+
+    # -- the fleet (extensions of the built-in engine) ---------------------------------------------
+    def mark_stale(self, published_version: str) -> Any:
+        """Tell the engine the fleet published ``published_version`` without it (state ``stale``)."""
+        return self._call("POST", "/mark_stale", json={"published_version": published_version})
+
+    def join_from_peer(self, peers: list[str], *, wait: bool = False) -> Any:
+        """Copy the fleet's version from the first healthy of ``peers``, verify it, serve it."""
+        return self._call("POST", "/join_from_peer", json={"peers": peers, "wait": wait})
+
+    def donate_weights(self, body: dict[str, Any]) -> Any:
+        """Ask this engine to write its served copy into a joiner (``DonateWeightsReqInput``'s fields)."""
+        return self._call("POST", "/donate_weights", json=body)
+
