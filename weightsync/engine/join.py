@@ -4,7 +4,8 @@
 stale (or freshly restarted) one there. Then, for each peer in order until one succeeds:
 
 1. ``GET /health`` of the peer: it must hold a current, clean version (serving, paused, or
-   generating through a pause-free update);
+   generating through a pause-free update) -- the fleet's, when ``/mark_stale`` told this engine
+   which one that is (an older version is never served);
 2. a session opens on this engine's shadow (in place without one: nothing is served anyway) and
    the peer is asked, with a deadline, to write its served copy into it
    (``POST /donate_weights``, :mod:`weightsync.engine.donor`): the peer's ranks write their planned
@@ -128,6 +129,10 @@ class Joiner:
             if health.get("state") not in DONOR_STATES or health.get("weights_dirty"):
                 raise JoinError(f"the peer is {health.get('state')}{' (dirty)' if health.get('weights_dirty') else ''}"
                                 f": it holds no current version to give")
+            fleet = self.sessions.fleet_version
+            if fleet is not None and health.get("weight_version") != fleet:
+                raise JoinError(f"the peer holds version {health.get('weight_version')!r}, the fleet published "
+                                f"{fleet!r}: an older version is never served")
             self.sessions.join_progress(f"joining: copying version {health.get('weight_version')!r} from {url}")
             return self._copy(client, url)
         finally:
@@ -147,6 +152,9 @@ class Joiner:
                 "deadline_s": self.deadline_s,
                 "joiner": {k: getattr(par, k) for k in ("tp", "dp", "ep", "moe_dense_tp", "dp_lm_head")}})
             copy_s = time.perf_counter() - t0
+            fleet = self.sessions.fleet_version
+            if fleet is not None and answer["weight_version"] != fleet:
+                raise JoinError(f"the peer copied version {answer['weight_version']!r}, the fleet published {fleet!r}")
             self._run(Op.END_UPDATE)
             t1 = time.perf_counter()
             got = self._run(Op.CHECK_WEIGHTS, action="fingerprint", seed=seed)

@@ -53,7 +53,7 @@ class FleetSessions:
             if self.state is not State.JOINING and not self.dirty and self.weight_version == published_version:
                 return {"stale": False, "state": self.state.value, "weight_version": self.weight_version}
             rule = self._decide(Event.MARK_STALE)
-            self.fleet_version = published_version
+            self.fleet_version, self.join_error = published_version, ""  # an older join's failure no longer says why
             aborted = self.session is not None and self.state is not State.JOINING
             if rule.then is not None:
                 self.session, self.stale, self.dirty = None, True, True
