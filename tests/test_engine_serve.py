@@ -180,6 +180,8 @@ def test_serve_cli_options_are_pinned() -> None:
         "--header-timeout-s",
         "--body-timeout-s",
         "--live-check-interval-s",
+        "--join-from",
+        "--join-deadline-s",
         "--log-level",
     }
     args = parser.parse_args(["serve", "GLM-5", "--scale", "tiny", "--tp", "2", "--dp", "2"])
