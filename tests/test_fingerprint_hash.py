@@ -153,7 +153,13 @@ def _mixed_batch(method: str, device: str, num_spans: int = 60) -> tuple[Fingerp
     slot values by the definition."""
     gen = torch.Generator().manual_seed(5)
     block = torch.randint(0, 256, (1 << 16,), generator=gen, dtype=torch.uint8)
-    sources = [block.to(device), block[1:].to(device)]  # the second one is not 16-byte aligned
+    # One fresh allocation on the device, then a view one byte in: on every device (CPU too) the
+    # second source starts 1 byte past an allocation's aligned start, so the spans below (aligned
+    # to their element size from that address) are the same spans everywhere.
+    whole = block.to(device, copy=True)
+    sources = [whole, whole[1:]]  # the second one is not 16-byte aligned
+    assert sources[0].data_ptr() % 16 == 0
+    assert sources[1].data_ptr() % 16 == 1
     rng = np.random.default_rng(6)
     rows, want = [], [0, 0, 0]
     for _ in range(num_spans):
