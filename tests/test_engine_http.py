@@ -421,3 +421,45 @@ def test_fingerprint_of_every_parameter_and_padding_zeroed_at_the_end_of_a_sessi
     assert torch.count_nonzero(engine.store[name][engine.spec.vocab_size :]) == 0
     after = client.post("/weights_checker", json={"action": "fingerprint", "seed": 7, "rank": 0}).json()["fingerprints"]
     assert after == want
+
+
+def test_control_extensions_pause_in_begin_fingerprint_in_end_continue_in_version(
+        served: tuple[TestClient, Engine]) -> None:
+    """The control extensions: ``begin_weight_update`` with ``pause_generation`` pauses a serving
+    engine and begins (without it the same call is refused: sglang's rule); ``end_weight_update``
+    with ``fingerprint_seed`` answers the fingerprints of what the session wrote, before anything
+    is published, equal to ``/weights_checker`` ``fingerprint`` with that seed; and
+    ``update_weight_version`` with ``continue_generation`` publishes and serves again."""
+    from tests.test_security_engine import _direct_entry
+    from weightsync.fingerprint import fingerprint_tensor, to_hex
+
+    client, engine = served
+    assert client.post("/begin_weight_update", json={}).status_code == 409  # serving: sglang's rule stands
+    r = client.post("/begin_weight_update", json={"pause_generation": "abort"})
+    assert r.status_code == 200, r.text
+    assert (r.json()["state"], _state(client)["state"]) == ("updating", "updating")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    new = torch.full_like(engine.store[name], 0.25)
+    r = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [_direct_entry(name, new)],
+                                                          "load_format": "direct"})
+    assert r.status_code == 200, r.text
+    assert client.post("/end_weight_update", json={"fingerprint_seed": -1}).status_code == 400
+    r = client.post("/end_weight_update", json={"fingerprint_seed": 11})
+    assert r.status_code == 200, r.text
+    ended = r.json()
+    assert (ended["state"], ended["fingerprints"]["ranks"][0]["seed"]) == ("ended", 11)
+    got = ended["fingerprints"]["ranks"][0]["fingerprints"]
+    store = engine.session_store()
+    assert got[name] == to_hex(fingerprint_tensor(new, seed=11))
+    assert got == {n: to_hex(fingerprint_tensor(t, seed=11)) for n, t in store.items() if not store.meta[n].derived}
+    assert got == client.post("/weights_checker", json={"action": "fingerprint", "seed": 11,
+                                                         "rank": 0}).json()["fingerprints"]
+    assert _state(client)["weight_version"] == "v0"  # nothing published yet
+    r = client.post("/update_weight_version", json={"new_version": "v1", "continue_generation": True})
+    assert r.status_code == 200, r.text
+    assert (r.json()["effect"], r.json()["continued"], r.json()["state"]) == ("published", True, "serving")
+    answer = _gen(client)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["meta_info"]["weight_version"] == "v1"
+    assert "fingerprints" not in client.post("/begin_weight_update", json={"pause_generation": "abort"}).json()
+    assert "fingerprints" not in client.post("/end_weight_update", json={}).json()  # sglang's body: sglang's answer

@@ -263,6 +263,27 @@ def _bearer(request: Request) -> str | None:
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
+class _Guard:
+    """A plain ASGI middleware that answers ``check``'s refusal instead of running the route.
+
+    Plain ASGI rather than ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` runs
+    every request through a task group and memory streams, a fixed cost on each control call of
+    an update (measured on the 2-core machine: 0.84 ms per request without it, 1.37 ms with it).
+    """
+
+    def __init__(self, app: Any, check: Callable[[Request], Response | None]) -> None:
+        self.app = app
+        self.check = check
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            refused = self.check(Request(scope))
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI app serving one engine (see the module docstring)."""
     docs = {} if ctx.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -284,8 +305,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
             return JSONResponse({"error": {"message": message}}, status_code=status)
         return control(status, message)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Callable[[Request], Any]) -> Response:
+    def guard(request: Request) -> Response | None:
+        """The refusal of a request before its route runs (token, declared size), or None."""
         if ctx.token is not None and request.url.path not in OPEN_ROUTES:
             given = _bearer(request)
             if given is None:
@@ -297,7 +318,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
         if declared.isdigit() and int(declared) > most:
             return refusal(request, 413, f"request body of {declared} bytes is over the engine's limit of {most}"
                            + (" for /generate (its queue's prompts at the context length)" if most < limit else ""))
-        return await call_next(request)
+        return None
+
+    app.add_middleware(_Guard, check=guard)
 
     @app.exception_handler(BadBody)
     async def _bad_body(_: Request, exc: BadBody) -> JSONResponse:
@@ -460,12 +483,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/begin_weight_update")
     async def begin_update(request: Request) -> dict[str, Any]:
         body = await body_of(request, BeginWeightUpdateReqInput)
-        return await run(sessions.begin, body.pause_free, body.flip)
+        return await run(sessions.begin, body.pause_free, body.flip, body.pause_generation)
 
     @app.post("/end_weight_update")
     async def end_update(request: Request) -> dict[str, Any]:
-        await body_of(request, EndWeightUpdateReqInput)
-        return await run(sessions.end, session_of(request))
+        body = await body_of(request, EndWeightUpdateReqInput)
+        return await run(sessions.end, session_of(request), body.fingerprint_seed)
 
     @app.post("/abort_weight_update")
     async def abort_update(request: Request) -> dict[str, Any]:
@@ -475,7 +498,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.post("/update_weight_version")
     async def update_version(request: Request) -> dict[str, Any]:
         body = await body_of(request, UpdateWeightVersionReqInput)
-        out = await run(sessions.set_weight_version, body.new_version, body.abort_all_requests, session_of(request))
+        out = await run(sessions.set_weight_version, body.new_version, body.abort_all_requests, session_of(request),
+                        body.continue_generation)
         return {
             "success": True,
             "message": f"Weight version updated to {body.new_version}",

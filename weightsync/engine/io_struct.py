@@ -78,6 +78,12 @@ _NO_DRAFT = "no speculative decoding: the target model is the only model"
 class UpdateWeightVersionReqInput(_ControlBody):
     new_version: str
     abort_all_requests: bool = True
+    continue_generation: bool = False
+    """Extension: after a publication or a label, continue generation in the same call (as
+    ``/continue_generation``); nothing more while the version is only pending inside a session."""
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("continue_generation",)
+    """Fields of this engine that sglang does not have (documented, not typos)."""
 
 
 class InitWeightsUpdateGroupReqInput(_ControlBody):
@@ -144,14 +150,21 @@ class BeginWeightUpdateReqInput(_ControlBody):
     """Extension: open a pause-free session (it writes the shadow copy; the engine keeps generating)."""
     flip: Literal["swap", "copy"] = "swap"
     """Extension: how the session's copy is published (an engine whose shadow is not published copies)."""
+    pause_generation: Literal["abort", "retract", "in_place"] | None = None
+    """Extension: pause first (``/pause_generation`` with this mode), then begin, in one call."""
 
     NOTES: ClassVar[NoteTable] = {**_ControlBody.NOTES, "selector": (Effect.NO_EFFECT, _NO_DRAFT)}
-    EXTENSIONS: ClassVar[tuple[str, ...]] = ("pause_free", "flip")
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("pause_free", "flip", "pause_generation")
     """Fields of this engine that sglang does not have (documented, not typos)."""
 
 
 class EndWeightUpdateReqInput(_ControlBody):
-    pass
+    fingerprint_seed: int | None = Field(None, ge=0, lt=1 << 63)
+    """Extension: after the post-load, answer the fingerprints of the session's copy with this
+    seed (as ``/weights_checker`` ``fingerprint``), before anything is published."""
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("fingerprint_seed",)
+    """Fields of this engine that sglang does not have (documented, not typos)."""
 
 
 class AbortWeightUpdateReqInput(_ControlBody):

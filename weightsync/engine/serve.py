@@ -47,6 +47,7 @@ from weightsync.proc import (
     process_state,
     remove_stale_temp_dirs,
 )
+from weightsync.sync.update_options import CONTROL_EXTENSIONS
 from weightsync.transport.config import NONE
 from weightsync.transport.net import is_loopback
 from weightsync.transport.registry import remove_leftovers
@@ -391,5 +392,6 @@ def server_info(
             "architectures": [spec.hf_architecture],
             "layout_options": dataclasses.asdict(layout_options(spec, par)),
             "pid": os.getpid(),
+            "control_extensions": list(CONTROL_EXTENSIONS),
         },
     }

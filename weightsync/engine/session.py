@@ -216,18 +216,21 @@ class UpdateSessions(FleetSessions):
 
     # ------------------------------------------------------------------ a session
 
-    def begin(self, pause_free: bool = False, flip: str = "swap") -> dict[str, Any]:
+    def begin(self, pause_free: bool = False, flip: str = "swap", pause: str | None = None) -> dict[str, Any]:
         """``/begin_weight_update``: open a session -- on a paused engine, or ``pause_free`` on a
         serving one that holds a shadow copy; returns its id, the copy it writes
         (``target_copy``, an index into the published tables) and how it is published (``flip``).
+        ``pause`` (an extension): :meth:`pause` with this mode first, in the same call.
 
         Raises:
             Conflict: the engine is serving (pause first, or pause-free), a session is open, or
                 pause-free without a shadow copy.
-            ValueError: an unknown ``flip``.
+            ValueError: an unknown ``flip`` or pause mode.
         """
         if flip not in FLIPS:
             raise ValueError(f"flip must be one of {', '.join(FLIPS)}, got {flip!r}")
+        if pause is not None:
+            self.pause(pause)
         event = Event.BEGIN_SHADOW if pause_free else Event.BEGIN
         with self.lock:
             if not pause_free:  # it may write the served copy in place: not while a peer copies it
@@ -259,9 +262,14 @@ class UpdateSessions(FleetSessions):
                     "target_copy": session.copy, "flip": session.flip, "state": self.state.value,
                     "refreshed_bytes": sum(r["refreshed_bytes"] for r in per_rank)}
 
-    def end(self, session_id: str | None = None) -> dict[str, Any]:
+    def end(self, session_id: str | None = None, fingerprint_seed: int | None = None) -> dict[str, Any]:
         """``/end_weight_update``: post-load on the session's copy on every rank, then publish the
         session's version (when it has one and wrote) or wait for the publication.
+
+        ``fingerprint_seed`` (an extension): right after the post-load, in the same driver job and
+        before anything is published, the fingerprints of the session's copy on every rank (the
+        ``/weights_checker`` ``fingerprint`` action), answered under ``fingerprints`` as that
+        action's answer (``{"ranks": [{"rank", "fingerprints", "seed", "nbytes", "seconds"}]}``).
 
         Raises:
             Conflict: no session is open (or another one is).
@@ -269,7 +277,16 @@ class UpdateSessions(FleetSessions):
         with self.lock:
             self._check_session(session_id)
             self._decide(Event.END)
-        per_rank = self.scheduler.call(lambda: self.driver.run(Op.END_UPDATE), "end_weight_update")
+        hashed: list[dict[str, Any]] = []
+
+        def job() -> list[Any]:
+            post_load = self.driver.run(Op.END_UPDATE)
+            if fingerprint_seed is not None:  # one job: no other call runs between the two
+                hashed.extend(self.driver.run(Op.CHECK_WEIGHTS, action="fingerprint", seed=fingerprint_seed))
+            return post_load
+
+        per_rank = self.scheduler.call(job, "end_weight_update")
+        hashes = {"fingerprints": {"ranks": [{"rank": r, **v} for r, v in enumerate(hashed)]}} if hashed else {}
         with self.lock:
             self._check_session(session_id)
             rule = self._decide(Event.END)
@@ -294,7 +311,7 @@ class UpdateSessions(FleetSessions):
             self._enter(rule)
             return {"success": True, "message": message, "post_load_seconds": max(per_rank),
                     "per_rank_post_load_seconds": per_rank, "state": self.state.value, "weights_dirty": self.dirty,
-                    **published}
+                    **published, **hashes}
 
     def _flip(self, version: str | None) -> dict[str, Any]:
         """Publish the session's copy on every rank (a flip, unless it was written in place) and
@@ -348,15 +365,23 @@ class UpdateSessions(FleetSessions):
                                                 f"{self.weight_version!r} (dirty: {self.dirty}).",
                     "weights_dirty": self.dirty, "weight_version": self.weight_version, "state": self.state.value}
 
-    def set_weight_version(self, version: str, abort_all_requests: bool = False,
-                           session_id: str | None = None) -> dict[str, Any]:
+    def set_weight_version(self, version: str, abort_all_requests: bool = False, session_id: str | None = None,
+                           continue_generation: bool = False) -> dict[str, Any]:
         """``/update_weight_version``: the ``update_weight_version`` rows. Returns ``effect``
         (``pending``, ``published`` or ``labelled``) and, for a publication, the flip's
-        (:meth:`_flip`).
+        (:meth:`_flip`). ``continue_generation`` (an extension): after a publication or a label,
+        :meth:`resume` in the same call (``continued`` in the answer says whether it did).
 
         Raises:
             Conflict: dirty weights outside an update (a label cannot clean them).
         """
+        out = self._set_weight_version(version, abort_all_requests, session_id)
+        if continue_generation and out["effect"] != "pending":
+            self.resume()
+            out.update(continued=True, state=self.state.value)
+        return out
+
+    def _set_weight_version(self, version: str, abort_all_requests: bool, session_id: str | None) -> dict[str, Any]:
         with self.lock:  # refused calls abort nothing
             self._check_session(session_id)
             self._decide(Event.VERSION)

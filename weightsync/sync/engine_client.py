@@ -143,6 +143,12 @@ class EngineClient:
         facts = self.server_info().get("weightsync")
         return facts.get("shadow") if isinstance(facts, dict) else None
 
+    def control_extensions(self) -> tuple[str, ...]:
+        """The control calls' extension fields the engine takes (``/server_info``'s
+        ``weightsync.control_extensions``; none from a real sglang server or an older engine)."""
+        facts = self.server_info().get("weightsync")
+        return tuple(facts.get("control_extensions") or ()) if isinstance(facts, dict) else ()
+
     def parallelism_config(self, rank: int) -> dict[str, Any]:
         return self._call("GET", "/parallelism_config", params={"rank": rank})
 
@@ -171,24 +177,32 @@ class EngineClient:
         return self._call("GET", "/flush_cache")
 
     # -- weight updates -------------------------------------------------------------------------
-    def begin_weight_update(self, selector: str = "all", *, pause_free: bool = False, flip: str | None = None) -> Any:
+    def begin_weight_update(self, selector: str = "all", *, pause_free: bool = False, flip: str | None = None,
+                            pause_generation: str | None = None) -> Any:
         """Open an update session on a paused engine (409 while serving or with a session open);
         its id (the built-in engine's ``session_id``) goes with this client's session calls.
-        ``pause_free`` (the built-in engine's extension; sent only when set): a session on the
-        shadow of a serving engine, published by a ``flip`` (``swap`` or ``copy``)."""
+        The built-in engine's extensions (sent only when set): ``pause_free``, a session on the
+        shadow of a serving engine, published by a ``flip`` (``swap`` or ``copy``);
+        ``pause_generation``, pause with this mode first, in the same call (only to an engine that
+        lists it, :meth:`control_extensions`: sglang would drop the field and refuse the begin)."""
         body: dict[str, Any] = {"selector": selector}
         if pause_free:
             body["pause_free"] = True
         if flip is not None:
             body["flip"] = flip
+        if pause_generation is not None:
+            body["pause_generation"] = pause_generation
         out = self._call("POST", "/begin_weight_update", json=body)
         self.session_id = out.get("session_id") if isinstance(out, dict) else None
         return out
 
-    def end_weight_update(self) -> Any:
+    def end_weight_update(self, fingerprint_seed: int | None = None) -> Any:
         """Post-load. Publishes only a version given inside the session (miles' order); otherwise
-        the engine stays paused and dirty until :meth:`update_weight_version`."""
-        return self._call("POST", "/end_weight_update", json={}, session=True)
+        the engine stays paused and dirty until :meth:`update_weight_version`. ``fingerprint_seed``
+        (the built-in engine's extension, sent only when given): the answer's ``fingerprints`` are
+        the session copy's, as ``weights_checker("fingerprint", seed=...)`` answers them."""
+        body = {} if fingerprint_seed is None else {"fingerprint_seed": int(fingerprint_seed)}
+        return self._call("POST", "/end_weight_update", json=body, session=True)
 
     def abort_weight_update(self) -> Any:
         """End the session without publishing: paused, dirty at the old version (built-in engine)."""
@@ -196,13 +210,16 @@ class EngineClient:
         self.session_id = None
         return out
 
-    def update_weight_version(self, version: str) -> Any:
+    def update_weight_version(self, version: str, *, continue_generation: bool = False) -> Any:
         """Inside a session: the version ``end_weight_update`` publishes; after it: the
         publication (clears dirty; a flip where the session wrote a shadow); on clean weights: a
         new label. The answer's ``effect`` says which (``pending``, ``published``, ``labelled``);
-        a publication's also ``flip``, ``flip_at`` and ``engine_idle_s``."""
-        out = self._call("POST", "/update_weight_version", json={"new_version": version, "abort_all_requests": False},
-                         session=True)
+        a publication's also ``flip``, ``flip_at`` and ``engine_idle_s``. ``continue_generation``
+        (the built-in engine's extension, sent only when set): continue generation in the same call."""
+        body: dict[str, Any] = {"new_version": version, "abort_all_requests": False}
+        if continue_generation:
+            body["continue_generation"] = True
+        out = self._call("POST", "/update_weight_version", json=body, session=True)
         if isinstance(out, dict) and out.get("effect") == "published":
             self.session_id = None
         return out

@@ -37,6 +37,7 @@ from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.sync.engine_client import EngineClient, EngineError
 from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, dest_rank_from_info
+from weightsync.sync.update_options import CONTROL_EXTENSIONS
 
 log = logging.getLogger(__name__)
 
@@ -237,16 +238,24 @@ class Engines:
                 why.append(f"{self.where(e)} publishes no table of its shadow copy (--transfer-info-format sglang)")
         return "; ".join(why) or None
 
-    def begin_weight_update(self, *, pause_free: bool = False, flip: str | None = None) -> list[Any]:
-        """``begin_weight_update`` on every engine (each answer in engine order; ``pause_free``
-        and ``flip``: :meth:`EngineClient.begin_weight_update`); an engine whose earlier session
+    def control_extensions(self) -> bool:
+        """Whether every engine takes every control extension of
+        :data:`~weightsync.sync.update_options.CONTROL_EXTENSIONS` (then an update sends them)."""
+        found = self.each(lambda c: c.control_extensions(), what="/server_info")
+        return all(set(CONTROL_EXTENSIONS) <= set(f) for f in found)
+
+    def begin_weight_update(self, *, pause_free: bool = False, flip: str | None = None,
+                            pause_generation: str | None = None) -> list[Any]:
+        """``begin_weight_update`` on every engine (each answer in engine order; ``pause_free``,
+        ``flip`` and ``pause_generation``: :meth:`EngineClient.begin_weight_update`); an engine whose earlier session
         is still open (its holder gone: a killed run, an abort that did not arrive) has that
         session aborted first -- this caller drives the engine now, and the new session recovers it.
 
         Raises:
             EngineError: naming every engine that refused or could not be reached.
         """
-        return self.each(lambda c: begin_recovering(c, pause_free=pause_free, flip=flip), what="begin_weight_update")
+        return self.each(lambda c: begin_recovering(c, pause_free=pause_free, flip=flip,
+                                                    pause_generation=pause_generation), what="begin_weight_update")
 
     def abort_sessions(self, wait_s: float) -> None:
         """``abort_weight_update`` on every engine, waiting at most ``wait_s`` (an engine that is

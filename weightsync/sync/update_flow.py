@@ -20,6 +20,13 @@ that is not this project's: a real sglang server publishes no shadow)::
     pause_generation -> begin_weight_update -> write -> end_weight_update -> verify
         -> update_weight_version -> continue_generation
 
+Where every engine takes this project's control extensions (:data:`~weightsync.sync.update_options.CONTROL_EXTENSIONS`),
+the same steps travel in three calls per engine, pause-free or paused: ``begin_weight_update``
+pauses first (``pause_generation``), ``end_weight_update`` answers the fingerprints of the session's
+copy (``fingerprint_seed``: the verification needs no call of its own) and
+``update_weight_version`` continues generation (``continue_generation``). Either way rank 0 sends
+``end_weight_update`` while the trainer ranks sum their partials into the expected fingerprints.
+
 Either way the update is a transaction: only a verified session is published. On any failure rank
 0 aborts every engine's session -- a pause-free engine goes on serving its old version untouched,
 a paused one stays paused, dirty where the session wrote what it serves -- and every rank raises
@@ -85,14 +92,16 @@ def run_attempt(u: WeightUpdater, version: str, m: Mode, *, verify: bool) -> Upd
     assert eng is not None
     reason = u.discovered.pause_reason
     pause_free = reason is None
+    ext = u.discovered.extensions
     marks: dict[str, float] = {}
 
     def open_sessions() -> tuple[list[int], int]:
         marks["t0"] = marks["paused"] = time.perf_counter()
-        if not pause_free:
+        if not pause_free and not ext:
             eng.each(lambda c: c.pause_generation(), what="pause_generation")
             marks["paused"] = time.perf_counter()
-        answers = eng.begin_weight_update(pause_free=pause_free, flip=u.config.flip if pause_free else None)
+        answers = eng.begin_weight_update(pause_free=pause_free, flip=u.config.flip if pause_free else None,
+                                          pause_generation=None if pause_free or not ext else "abort")
         marks["begun"] = time.perf_counter()
         # this attempt's fingerprint seed, unknown to any other writer
         return [int(a.get("target_copy", 0)) if isinstance(a, dict) else 0 for a in answers], secrets.randbits(63)
@@ -104,34 +113,55 @@ def run_attempt(u: WeightUpdater, version: str, m: Mode, *, verify: bool) -> Upd
     fingerprint = (partials, seed) if partials is not None and m is Mode.P2P else None
     results = _write_all(u, version, m, {g: copies[g // tp] for g in range(len(copies) * tp)}, fingerprint)
     marks["written"] = time.perf_counter()
+    hash_at_end = ext and partials is not None
 
     def end() -> list[Any]:
-        ends = eng.each(lambda c: c.end_weight_update(), what="end_weight_update")
-        marks["ended"] = time.perf_counter()
+        ends = eng.each(lambda c: c.end_weight_update(seed if hash_at_end else None), what="end_weight_update")
+        # the engines' hashing inside end_weight_update is verification: counted there, not as post-load
+        marks["ended"] = time.perf_counter() - (_hashing_s(ends) if hash_at_end else 0.0)
         return ends
 
-    ends = _on_rank0(u, version, end)
-    tv = time.perf_counter()
+    ending = eng.submit(end) if u.rank == 0 else None  # in flight while the trainer ranks sum their partials
+    expected = None
     if verifier is not None and partials is not None:
-        _verify(u, version, m, verifier, partials, seed)
-    verify_s = time.perf_counter() - tv
-
-    def publish() -> tuple[dict[str, float], list[Any]]:
-        t = time.perf_counter()
-        published = eng.each(lambda c: c.update_weight_version(version), what="update_weight_version")
-        tr = time.perf_counter()
-        # paused engines resume: every one of a paused update, and those found paused by a pause-free one
-        paused = [c for c, a in zip(eng.clients, published, strict=True)
-                  if not pause_free or (isinstance(a, dict) and a.get("state") == "paused")]
-        for client in paused:
-            client.continue_generation()
-        return {**marks, "publish": tr - t, "resume": time.perf_counter() - tr if paused else 0.0}, published
-
-    times, published = _on_rank0(u, version, publish)
+        expected = _expected(u, version, m, verifier, partials, seed)
+    ends = _on_rank0(u, version, lambda: ending.result())  # type: ignore[union-attr]
+    if verifier is not None and partials is not None:
+        answers = [e.get("fingerprints") if isinstance(e, dict) else None for e in ends] if hash_at_end else None
+        bad = _on_rank0(u, version, lambda: verifier.compare(eng, expected or {}, seed, answers=answers),
+                        what="verification")
+        if bad:
+            held(u, version, ["fingerprints differ: " + "; ".join(bad)])
+    verify_s = time.perf_counter() - marks.get("ended", marks["written"])  # from the end's answer on rank 0
+    times, published = _on_rank0(u, version, lambda: _publish(eng, version, marks, pause_free, ext))
     return UpdateStats.from_ranks(version=version, mode=m, path=u.path(m), results=results, ends=ends, times=times,
                                   verify_s=verify_s, verified=True if verifier is not None else None,
                                   num_receivers=u.inputs.rollout.world_size,
                                   broadcast_buckets=u.broadcast_buckets(m), published=published, pause_reason=reason)
+
+
+def _hashing_s(ends: Sequence[Any]) -> float:
+    """The longest an engine rank spent hashing inside ``end_weight_update`` (its answer's
+    ``fingerprints``)."""
+    return max((float(r.get("seconds", 0.0)) for e in ends if isinstance(e, dict)
+                for r in (e.get("fingerprints") or {}).get("ranks", [])), default=0.0)
+
+
+def _publish(eng: Any, version: str, marks: dict[str, float], pause_free: bool,
+             ext: bool) -> tuple[dict[str, float], list[Any]]:
+    """Rank 0's publication: ``update_weight_version`` on every engine, and generation continued
+    where it was paused (in the same call where the engines take the extension); the phases' marks."""
+    t = time.perf_counter()
+    resume_in_call = ext and not pause_free
+    published = eng.each(lambda c: c.update_weight_version(version, continue_generation=resume_in_call),
+                         what="update_weight_version")
+    tr = time.perf_counter()
+    # paused engines resume: every one of a paused update, and those found paused by a pause-free one
+    paused = [c for c, a in zip(eng.clients, published, strict=True)
+              if not resume_in_call and (not pause_free or (isinstance(a, dict) and a.get("state") == "paused"))]
+    for client in paused:
+        client.continue_generation()
+    return {**marks, "publish": tr - t, "resume": time.perf_counter() - tr if paused else 0.0}, published
 
 
 def _on_rank0(u: WeightUpdater, version: str, fn: Callable[[], T], what: str = "") -> T:
@@ -142,23 +172,20 @@ def _on_rank0(u: WeightUpdater, version: str, fn: Callable[[], T], what: str = "
         held(u, version, [f"{what}: {exc}" if what else str(exc)])
 
 
-def _verify(u: WeightUpdater, version: str, m: Mode, verifier: Any, partials: torch.Tensor, seed: int) -> None:
-    """The verification step of an attempt (collective): broadcast's hash-only pass, the partials
-    summed, and rank 0's comparison with every engine's fingerprints of its session's copy.
+def _expected(u: WeightUpdater, version: str, m: Mode, verifier: Any, partials: torch.Tensor,
+              seed: int) -> dict[int, dict[str, int]] | None:
+    """The trainer side of the verification (collective): broadcast's hash-only pass, then the
+    partials summed into every engine rank's expected fingerprints (on rank 0, None elsewhere).
 
     Raises:
-        UpdateError: a fingerprint differs (every differing tensor named per engine and rank), or
-            the step failed; the engines' sessions are aborted.
+        UpdateError: the hash-only pass failed on some rank; the engines' sessions are aborted.
     """
     if m is Mode.BROADCAST:
         try:
             agree(u.pg, lambda: verifier.hash_share(partials, seed), "fingerprint of the plan share")
         except (UpdateError, ValueError) as exc:
             held(u, version, [f"verification: {exc}"])
-    expected = verifier.expected(partials, seed, same_for_every_engine=m is Mode.BROADCAST)
-    bad = _on_rank0(u, version, lambda: verifier.compare(u.engines, expected or {}, seed), what="verification")
-    if bad:
-        held(u, version, ["fingerprints differ: " + "; ".join(bad)])
+    return verifier.expected(partials, seed, same_for_every_engine=m is Mode.BROADCAST)
 
 
 def _write_all(u: WeightUpdater, version: str, m: Mode, targets: dict[int, int],

@@ -48,7 +48,10 @@ class UpdateStats:
     phases: dict[str, float]
     """:data:`PHASES`: ``pause``, ``begin``, ``pack``, ``wire``, ``barrier`` (the rest of the write
     phase), ``post_load`` (``end_weight_update``), ``verify``, ``publish``
-    (``update_weight_version``; pause-free: the flip with it), ``resume`` (``continue_generation``)."""
+    (``update_weight_version``; pause-free: the flip with it), ``resume`` (``continue_generation``).
+    With engines that take the control extensions (:mod:`~weightsync.sync.update_flow`), ``pause``
+    and ``resume`` are 0 (done inside ``begin`` and ``publish``), and the engines' hashing inside
+    ``end_weight_update`` counts as ``verify``, not ``post_load``."""
     idle_phases: dict[str, float]
     """What the engines' idle window holds: paused, every phase; pause-free, the ``flip``."""
     pause_reason: str | None

@@ -95,6 +95,9 @@ class _Discovered:
     """Why updates pause the engines (None: pause-free, :mod:`~weightsync.sync.update_flow`)."""
     fp8_block: tuple[int, int] | None = None
     """The block the engines serve fp8 weights in (the trainer quantizes into it)."""
+    extensions: bool = False
+    """Every engine takes this project's control extensions (:meth:`Engines.control_extensions
+    <weightsync.sync.engines.Engines.control_extensions>`): fewer calls per update."""
 
 
 class WeightUpdater:
@@ -196,9 +199,10 @@ class WeightUpdater:
             assert self.engines is not None
             r = rollout or self.engines.rollout_parallel(self.spec)
             block = self.engines.fp8_block(self.spec, r)
+            extensions = self.engines.control_extensions()
             if Mode.P2P not in self.config.modes:
                 return _Discovered(rollout=r, infos=None, kind=None, pause_reason=self._pause_reason(None, r.tp),
-                                   fp8_block=block)
+                                   fp8_block=block, extensions=extensions)
             inputs = self._inputs(r, self.spec.replace(fp8_block=block))
             want = self.config.transport
             kind = want.kind.value if isinstance(want, TransportConfig) else None if want == "auto" else str(want)
@@ -206,7 +210,7 @@ class WeightUpdater:
             first = next(iter(infos.values()))
             found = str(first["descriptor"]["kind"]) if first.get("descriptor") else SGLANG_TRANSPORT
             return _Discovered(rollout=r, infos=infos, kind=found, pause_reason=self._pause_reason(infos, r.tp),
-                               fp8_block=block)
+                               fp8_block=block, extensions=extensions)
 
         return from_rank0(self.pg, find)
 

@@ -160,12 +160,30 @@ class Verifier:
             out = {r: out[r % tp] for r in out}
         return out
 
-    def compare(self, engines: Engines, expected: Mapping[int, Mapping[str, int]], seed: int) -> list[str]:
-        """The engines' fingerprints (one ``/weights_checker fingerprint`` call per engine, all at
-        once) against ``expected``: one line per (engine, rank) that differs, naming the tensors."""
+    def compare(self, engines: Engines, expected: Mapping[int, Mapping[str, int]], seed: int,
+                answers: Sequence[Any] | None = None) -> list[str]:
+        """The engines' fingerprints against ``expected``: one line per (engine, rank) that
+        differs, naming the tensors.
+
+        Args:
+            engines: the engines (asked with one ``/weights_checker fingerprint`` call each, all at
+                once, unless ``answers`` are given).
+            expected: :meth:`expected`'s answer.
+            seed: the seed the partials were hashed with.
+            answers: every engine's fingerprints with that seed already (in engine order, as
+                ``end_weight_update`` with ``fingerprint_seed`` answers them); None: ask.
+
+        Raises:
+            ValueError: an answer holds another seed's fingerprints or none.
+        """
         tp = self.inputs.rollout.tp
-        answers = engines.each(lambda c: c.weights_checker("fingerprint", seed=seed),
-                               what="weights_checker fingerprint")
+        if answers is None:
+            answers = engines.each(lambda c: c.weights_checker("fingerprint", seed=seed),
+                                   what="weights_checker fingerprint")
+        for e, answer in enumerate(answers):
+            seeds = {x.get("seed") for x in answer["ranks"]} if isinstance(answer, dict) else set()
+            if seeds != {seed}:
+                raise ValueError(f"{engines.where(e)} answered no fingerprints with this attempt's seed")
         bad: list[str] = []
         for e, answer in enumerate(answers):
             got_by_rank = {int(x["rank"]): x["fingerprints"] for x in answer["ranks"]}
