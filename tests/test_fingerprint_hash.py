@@ -27,7 +27,16 @@ from hypothesis import strategies as st
 
 from tests.conftest import REPO_ROOT
 from weightsync.fingerprint import MASK64, FingerprintBatch, fingerprint_tensor, whole_tensors
-from weightsync.fingerprint.batch import SPAN_FIELDS, triton_available
+from weightsync.fingerprint.batch import (
+    COUNT,
+    FIRST,
+    OFFSET,
+    SLOT,
+    SOURCE,
+    SPAN_FIELDS,
+    split_at_index_period,
+    triton_available,
+)
 from weightsync.fingerprint.hash import element_bits, element_hash, hash_elements, hash_elements_np
 
 SEED = 0x0DDB_A11_5EED
@@ -137,6 +146,25 @@ def test_partials_over_disjoint_ranges_add_up_to_the_whole(cuts: list[int], seed
     assert out.item() & MASK64 == fingerprint_tensor(t, seed=seed)
 
 
+@pytest.mark.parametrize(("first", "count", "esize", "want"), [
+    (0, 5, 2, [(0, 5)]),
+    (5, 3, 2, [(5, 3)]),
+    (5, 4, 2, [(5, 3), (8, 1)]),
+    (5, 20, 4, [(5, 3), (8, 8), (16, 8), (24, 1)]),
+    (16, 8, 1, [(16, 8)]),
+], ids=["inside", "ends-at-boundary", "crosses-once", "crosses-thrice", "one-whole-period"])
+def test_spans_are_cut_where_the_element_index_crosses_a_period(first: int, count: int, esize: int,
+                                                                 want: list[tuple[int, int]]) -> None:
+    """The kernel takes an element index's high half as its program's: the table builder cuts
+    every span at the multiples of the period (2^32; 8 here), keeping its elements and order."""
+    spans = np.array([[1, 64, count, esize, first, 2]], dtype=np.int64)
+    out = split_at_index_period(spans, period=8)
+    assert [(int(f), int(n)) for f, n in out[:, [FIRST, COUNT]]] == want
+    assert (out[:, OFFSET] == 64 + (out[:, FIRST] - first) * esize).all()
+    assert (out[:, SOURCE] == 1).all()
+    assert (out[:, SLOT] == 2).all()
+
+
 def test_a_span_outside_its_source_or_misaligned_is_refused() -> None:
     t = torch.zeros(10, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="outside their source"):
@@ -215,6 +243,25 @@ def test_the_triton_kernel_in_the_interpreter_equals_the_definition() -> None:
                           timeout=580)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert "kernel ok" in done.stdout, done.stdout
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed (the GPU images have it; the CPU "
+                    "set-up does not install it)")
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_the_triton_kernel_compiles_for_hopper(aligned: bool) -> None:
+    """Compiled ahead of time for sm_90 (Triton's own ptxas, no GPU): the interpreter runs the
+    kernel's Python, and does not refuse what the compiler does (branches of different types)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from weightsync.fingerprint import _kernel
+
+    sig = {"table": "*i64", "base": "*u8", "out": "*i64", "seed": "i64", "BLOCK": "constexpr",
+           "ALIGNED": "constexpr"}
+    src = ASTSource(fn=_kernel._fingerprint_chunks, signature=sig, constexprs={"BLOCK": 1024, "ALIGNED": aligned},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
+    compiled = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert compiled.asm["cubin"]
 
 
 @pytest.mark.gpu
