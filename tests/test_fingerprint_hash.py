@@ -37,6 +37,7 @@ from weightsync.fingerprint.batch import (
     split_at_index_period,
     triton_available,
 )
+from weightsync.fingerprint.copy_batch import CopyFingerprintBatch
 from weightsync.fingerprint.hash import element_bits, element_hash, hash_elements, hash_elements_np
 
 SEED = 0x0DDB_A11_5EED
@@ -233,12 +234,44 @@ def run_kernel_on_cpu() -> None:
     print("kernel ok")
 
 
+def run_copy_kernel_on_cpu() -> None:
+    """The copy-and-hash kernel through the interpreter: rows of every element size, with source
+    and destination agreeing modulo 16 and not, crossing chunks and an element index of 2^32; the
+    destination gets exactly the source's bytes (and nothing else changes), the slots the values
+    the definition gives (as a :class:`FingerprintBatch` over the source computes them)."""
+    gen = torch.Generator().manual_seed(8)
+    src = torch.randint(0, 256, (1 << 16,), generator=gen, dtype=torch.uint8)
+    dst = torch.zeros(1 << 16, dtype=torch.uint8)
+    rng = np.random.default_rng(9)
+    rows, spans, want = [], [], dst.clone()
+    dst_at = 0
+    for _ in range(24):
+        esize = int(rng.choice([1, 2, 4]))
+        off = int(rng.integers(0, 20_000)) // esize * esize
+        dst_at = (dst_at + int(rng.choice([0, 16, esize * int(rng.integers(1, 8))]))) // esize * esize
+        count = int(rng.integers(1, 700))
+        first, slot = int(rng.choice([0, 7, (1 << 32) - 50])), int(rng.integers(0, 3))
+        rows.append((src.data_ptr() + off, dst.data_ptr() + dst_at, count, esize, first, slot))
+        spans.append((0, off, count, esize, first, slot))
+        want[dst_at : dst_at + count * esize] = src[off : off + count * esize]
+        dst_at += count * esize
+    batch = CopyFingerprintBatch(np.array(rows), src, dst, num_slots=3, chunk_bytes=512, block=64)
+    assert len(batch.tables) == 2, "both alignment classes"
+    out, expect = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    batch.run(out, SEED)
+    FingerprintBatch([src], np.array(spans), num_slots=3, method="numpy").run(expect, SEED)
+    assert torch.equal(dst, want)
+    assert out.tolist() == expect.tolist()
+    print("kernel ok")
+
+
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed (the GPU images have it; the CPU "
                     "set-up does not install it)")
 @pytest.mark.timeout(600)
-def test_the_triton_kernel_in_the_interpreter_equals_the_definition() -> None:
+@pytest.mark.parametrize("run", ["run_kernel_on_cpu", "run_copy_kernel_on_cpu"])
+def test_the_triton_kernel_in_the_interpreter_equals_the_definition(run: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_fingerprint_hash import run_kernel_on_cpu; run_kernel_on_cpu()"
+    code = f"from tests.test_fingerprint_hash import {run}; {run}()"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=580)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
@@ -248,7 +281,8 @@ def test_the_triton_kernel_in_the_interpreter_equals_the_definition() -> None:
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed (the GPU images have it; the CPU "
                     "set-up does not install it)")
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
-def test_the_triton_kernel_compiles_for_hopper(aligned: bool) -> None:
+@pytest.mark.parametrize("copy", [False, True], ids=["hash", "copy-and-hash"])
+def test_the_triton_kernel_compiles_for_hopper(copy: bool, aligned: bool) -> None:
     """Compiled ahead of time for sm_90 (Triton's own ptxas, no GPU): the interpreter runs the
     kernel's Python, and does not refuse what the compiler does (branches of different types)."""
     from triton.backends.compiler import GPUTarget
@@ -256,10 +290,10 @@ def test_the_triton_kernel_compiles_for_hopper(aligned: bool) -> None:
 
     from weightsync.fingerprint import _kernel
 
-    sig = {"table": "*i64", "base": "*u8", "out": "*i64", "seed": "i64", "BLOCK": "constexpr",
-           "ALIGNED": "constexpr"}
-    src = ASTSource(fn=_kernel._fingerprint_chunks, signature=sig, constexprs={"BLOCK": 1024, "ALIGNED": aligned},
-                    attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
+    sig = {"table": "*i64", "src_base": "*u8", "dst_base": "*u8", "out": "*i64", "seed": "i64", "BLOCK": "constexpr",
+           "ALIGNED": "constexpr", "COPY": "constexpr"}
+    src = ASTSource(fn=_kernel._chunks, signature=sig, constexprs={"BLOCK": 1024, "ALIGNED": aligned, "COPY": copy},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(4)})
     compiled = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert compiled.asm["cubin"]
 

@@ -215,3 +215,22 @@ def test_ipc_handle_bytes_round_trip_keeps_nul_bytes() -> None:
     assert IpcMemHandle.from_bytes(raw).to_bytes() == raw
     with pytest.raises(ValueError, match="64 bytes"):
         IpcMemHandle.from_bytes(raw[:10])
+
+
+def test_translate_checks_each_run_and_launch_needs_a_device_transport() -> None:
+    """``translate`` checks runs as ``prepare`` does and keeps one row per run, in order (nothing
+    coalesced: device work given to ``launch`` addresses each); a transport that takes no device
+    work refuses ``launch`` naming itself."""
+    src, dst = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    with make_transport("local") as t:
+        t.register_tensor("src", src)
+        t.register_tensor("dst", dst)
+        peer = t.connect(t.descriptor())
+        runs = np.array([(src.data_ptr(), dst.data_ptr(), 8), (src.data_ptr() + 8, dst.data_ptr() + 8, 8)])
+        assert t.translate(peer, runs).tolist() == runs.tolist()
+        assert len(t.prepare(peer, runs).runs) == 1  # prepare coalesces the two
+        with pytest.raises(ValueError, match="crosses the end of region 'dst'"):
+            t.translate(peer, np.array([(src.data_ptr(), dst.data_ptr() + 60, 8)]))
+        assert not t.launches_on_device
+        with pytest.raises(ValueError, match="local transport takes no device work"):
+            t.launch(peer, lambda: None, 8)

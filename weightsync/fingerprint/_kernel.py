@@ -1,14 +1,16 @@
-"""The Triton kernel of :class:`~weightsync.fingerprint.batch.FingerprintBatch` (imported only when
-it runs: importing it needs Triton).
+"""The Triton kernels of :class:`~weightsync.fingerprint.batch.FingerprintBatch` and of
+:class:`~weightsync.fingerprint.copy_batch.CopyFingerprintBatch` (imported only when they run:
+importing them needs Triton); the second is the first with a store of every element it loads.
 
-One program per chunk-table row ``(offset, count, element size, first, slot)``: it loads the
-chunk's ``count`` elements (``BLOCK`` at a time, at ``base + offset`` bytes, as unsigned integers
-of the row's element size, zero-extended), hashes each with its index ``first + e`` to the value
-:func:`weightsync.fingerprint.hash.hash_elements` gives, sums them and adds the sum to
-``out[slot]`` with one 64-bit atomic add. The element size is a runtime value, uniform within a
-program, so one launch covers a batch of mixed dtypes. In the aligned class every offset is a
-multiple of 16 bytes from a 16-byte aligned base and every count a multiple of 16 elements, which
-the ``multiple_of`` hints tell the compiler (16-byte loads).
+One program per chunk-table row ``(source offset, destination offset, count, element size, first,
+slot)``: it loads the chunk's ``count`` elements (``BLOCK`` at a time, at ``src_base + source
+offset`` bytes, as unsigned integers of the row's element size, zero-extended) -- and, with
+``COPY``, stores each at ``dst_base + destination offset`` as it is loaded -- hashes each with its
+index ``first + e`` to the value :func:`weightsync.fingerprint.hash.hash_elements` gives, sums them
+and adds the sum to ``out[slot]`` with one 64-bit atomic add. The element size is a runtime value,
+uniform within a program, so one launch covers a batch of mixed dtypes. In the aligned class every
+offset is a multiple of 16 bytes from 16-byte aligned bases and every count a multiple of 16
+elements, which the ``multiple_of`` hints tell the compiler (16-byte loads and stores).
 
 Cheaper arithmetic, the same values (the kernel is bound by integer instructions, not by memory):
 
@@ -34,7 +36,6 @@ import triton.language as tl
 
 from weightsync.fingerprint import hash as definition
 
-ROW_FIELDS = 5
 _MASK32 = definition.MASK32
 _C1_LO = tl.constexpr(definition.C1 & _MASK32)
 _C1_HI = tl.constexpr(definition.C1 >> 32)
@@ -84,18 +85,44 @@ def _bits(start, e, esize, n, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _fingerprint_chunks(table, base, out, seed, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+def _copy_bits(src, dst, e, esize, n, MASKED: tl.constexpr):
+    """Copy the elements ``e`` of ``esize`` bytes from ``src`` to ``dst``; their bits as uint32."""
+    if esize == 2:
+        bits = _copy_load(src.to(tl.pointer_type(tl.uint16)), dst.to(tl.pointer_type(tl.uint16)), e, n, MASKED)
+    elif esize == 4:
+        bits = _copy_load(src.to(tl.pointer_type(tl.uint32)), dst.to(tl.pointer_type(tl.uint32)), e, n, MASKED)
+    else:
+        bits = _copy_load(src, dst, e, n, MASKED)
+    return bits
+
+
+@triton.jit
+def _copy_load(src, dst, e, n, MASKED: tl.constexpr):
+    if MASKED:
+        x = tl.load(src + e, mask=e < n, other=0)
+        tl.store(dst + e, x, mask=e < n)
+    else:
+        x = tl.load(src + e)
+        tl.store(dst + e, x)
+    return x.to(tl.uint32)
+
+
+@triton.jit
+def _chunks(table, src_base, dst_base, out, seed, BLOCK: tl.constexpr, ALIGNED: tl.constexpr, COPY: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    row = table + pid * 5
-    off = tl.load(row)
-    n = tl.load(row + 1)
-    esize = tl.load(row + 2)
-    first = tl.load(row + 3)
-    slot = tl.load(row + 4)
+    row = table + pid * 6
+    so = tl.load(row)
+    do = tl.load(row + 1)
+    n = tl.load(row + 2)
+    esize = tl.load(row + 3)
+    first = tl.load(row + 4)
+    slot = tl.load(row + 5)
     if ALIGNED:
-        off = tl.multiple_of(off, 16)
+        so = tl.multiple_of(so, 16)
+        do = tl.multiple_of(do, 16)
         n = tl.multiple_of(n, 16)
-    start = base + off
+    src = src_base + so
+    dst = dst_base + do
     # the index's high half is the program's (rows do not cross 2^32): folded into the seed once
     s = seed.to(tl.int64).to(tl.uint64, bitcast=True) ^ ((first >> 32).to(tl.uint64) * _C3)
     s_lo = (s & 0xFFFFFFFF).to(tl.uint32)
@@ -106,16 +133,26 @@ def _fingerprint_chunks(table, base, out, seed, BLOCK: tl.constexpr, ALIGNED: tl
     whole = n // BLOCK * BLOCK
     for i in range(0, whole, BLOCK):
         e = i + lanes
-        acc += _hash(_bits(start, e, esize, n, False), first_lo + e.to(tl.uint32), s_lo, s_hi)
+        if COPY:
+            bits = _copy_bits(src, dst, e, esize, n, False)
+        else:
+            bits = _bits(src, e, esize, n, False)
+        acc += _hash(bits, first_lo + e.to(tl.uint32), s_lo, s_hi)
     if whole < n:
         e = whole + lanes
-        h = _hash(_bits(start, e, esize, n, True), first_lo + e.to(tl.uint32), s_lo, s_hi)
-        acc += tl.where(e < n, h, tl.zeros([BLOCK], dtype=tl.uint64))
+        if COPY:
+            bits = _copy_bits(src, dst, e, esize, n, True)
+        else:
+            bits = _bits(src, e, esize, n, True)
+        acc += tl.where(e < n, _hash(bits, first_lo + e.to(tl.uint32), s_lo, s_hi), tl.zeros([BLOCK], dtype=tl.uint64))
     tl.atomic_add(out + slot, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
 
 
-def launch(table: Any, base: Any, out: Any, seed: int, *, block: int, aligned: bool, num_warps: int) -> None:
-    """Hash every chunk of ``table`` (``(K, 5)`` int64 on the device, no row crossing a multiple of
-    2^32 in element index) into ``out`` on the current stream."""
-    _fingerprint_chunks[(int(table.shape[0]),)](table, base, out, seed, BLOCK=block, ALIGNED=aligned,
-                                                  num_warps=num_warps)
+def launch(table: Any, src_base: Any, dst_base: Any, out: Any, seed: int, *, block: int, aligned: bool,
+           num_warps: int, copy: bool) -> None:
+    """Hash (and with ``copy``, copy) every chunk of ``table`` on the current stream: ``(K, 6)``
+    int64 ``[src offset, dst offset, count, element size, first, slot]`` on the device, offsets in
+    bytes from ``src_base`` / ``dst_base`` (``dst_base`` unused without ``copy``), no row crossing
+    a multiple of 2^32 in element index."""
+    _chunks[(int(table.shape[0]),)](table, src_base, dst_base, out, seed, BLOCK=block, ALIGNED=aligned, COPY=copy,
+                                    num_warps=num_warps)

@@ -236,7 +236,8 @@ class FingerprintBatch:
                 continue
             rows = cut_spans(rows, chunk_bytes)
             rel = ptrs[rows[:, SOURCE]] + rows[:, OFFSET] - ptrs[base]
-            table = np.stack([rel, rows[:, COUNT], rows[:, ESIZE], rows[:, FIRST], rows[:, SLOT]], axis=1)
+            table = np.stack([rel, np.zeros_like(rel), rows[:, COUNT], rows[:, ESIZE], rows[:, FIRST], rows[:, SLOT]],
+                             axis=1)  # the kernel's rows: no destination offset (nothing is copied)
             self._tables.append((torch.from_numpy(np.ascontiguousarray(table)).to(self.device), is_aligned))
 
     def _build_slabs(self, spans: np.ndarray) -> None:
@@ -282,8 +283,8 @@ class FingerprintBatch:
             from weightsync.fingerprint import _kernel  # imports Triton: only where the kernel runs
 
             for table, aligned in self._tables:
-                _kernel.launch(table, self._base, out, seed, block=self.block, aligned=aligned,
-                               num_warps=self.num_warps)
+                _kernel.launch(table, self._base, self._base, out, seed, block=self.block, aligned=aligned,
+                               num_warps=self.num_warps, copy=False)
             return
         if self.method == "torch":
             for slab in self._slabs:

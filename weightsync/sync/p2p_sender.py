@@ -16,7 +16,8 @@ buckets, then waits for everything before it returns (the trainer may change its
 only after that). Memory is registered once, in :meth:`P2PSender.__init__`. Given fingerprint
 slots, ``send(fingerprint=...)`` also hashes what it writes, on the device, while it writes
 (:mod:`weightsync.sync.share_fingerprint`): the direct runs once they are issued, each staging
-bucket once it is packed.
+bucket once it is packed. Over CUDA IPC (with Triton) the direct runs are copied and hashed by one
+kernel instead, one read of each byte (:mod:`weightsync.sync.fused_write`).
 
 An engine that holds a shadow copy publishes the addresses of both its copies; a pause-free
 update writes the copy the engine's session names (``begin_weight_update``'s ``target_copy``),
@@ -38,12 +39,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from weightsync.layout.box import LocalTensor
 from weightsync.plan.ops import CopyOp, box_runs
+from weightsync.sync.fused_write import fusable, fused_batches, self_check
 from weightsync.sync.p2p_pack import DestParam, Packer, Staged, pair_runs
 from weightsync.sync.share_fingerprint import ShareFingerprint, Slots
 from weightsync.transport import Peer, PeerDescriptor, Transport, WriteBatch, WriteHandle, deadline_after
@@ -218,6 +221,11 @@ class P2PSender:
         self.fingerprint = None if fingerprint_slots is None else ShareFingerprint(
             ops, params, tables, self.packer, fingerprint_slots, lambda i: self._staging[i % 2])
         """The share's partial fingerprints, hashed by :meth:`send` when asked (None without slots)."""
+        self._fused = None
+        if fingerprint_slots is not None and direct and fusable(transport, self._device()) and self_check(
+                self._device()):
+            self._fused = fused_batches(transport, self._peers, direct, params, self.copies, fingerprint_slots)
+        """Per copy, per rollout rank: the direct writes that also hash (:mod:`~weightsync.sync.fused_write`)."""
         self.bytes_direct = sum(b.nbytes for b in self._direct[0].values())
         self.bytes_staged = sum(s.nbytes for b in self._buckets for s in b)
 
@@ -327,9 +335,14 @@ class P2PSender:
         deadline = deadline_after(deadline_s)
         pick = self._picker(targets or {})
         direct = {r: pick(r, self._direct) for r in self._direct[0]}
-        pending: list[WriteHandle] = [self.transport.write(self._peers[r], b) for r, b in direct.items()]
-        if fingerprint is not None:
-            self.fingerprint.hash_direct(*fingerprint)  # type: ignore[union-attr]
+        if fingerprint is not None and self._fused is not None:  # each copy hashes what it copies
+            fused = {r: pick(r, self._fused) for r in direct}
+            pending: list[WriteHandle] = [self.transport.launch(self._peers[r], partial(f.run, *fingerprint), f.nbytes)
+                                          for r, f in fused.items()]
+        else:
+            pending = [self.transport.write(self._peers[r], b) for r, b in direct.items()]
+            if fingerprint is not None:
+                self.fingerprint.hash_direct(*fingerprint)  # type: ignore[union-attr]
         in_flight: list[list[WriteHandle]] = [[], []]
         pack_s = 0.0
         for i in range(len(self._buckets)):

@@ -15,7 +15,7 @@ import ctypes.util
 import logging
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -249,12 +249,9 @@ class DeviceCopier:
 
     def submit(self, blocks: np.ndarray) -> _vp:
         """Enqueue the 2-D blocks (``strided_blocks`` rows); returns the completion event."""
-        rt, lib = self.rt, self.rt.rt
+        rt = self.rt
         with rt.on_device(self.device):
-            ready = self._event()
-            rt.check(lib.cudaEventRecord(ready, torch.cuda.current_stream(self.device).cuda_stream), "cudaEventRecord")
-            rt.check(lib.cudaStreamWaitEvent(self.stream, ready, 0), "cudaStreamWaitEvent")
-            rt.check(lib.cudaEventDestroy(ready), "cudaEventDestroy")
+            self._after_current_stream()
             batched = self._batched(blocks) if len(blocks) else None
             if isinstance(batched, cuda_batch.KernelBatch):
                 batched.launch(self._torch_stream)
@@ -262,8 +259,28 @@ class DeviceCopier:
                 rt.check(batched.launch(self.stream.value), f"cudaMemcpyBatchAsync ({batched.count} copies)")
             else:
                 self._submit_runs(blocks)
-            done = self._event()
-            rt.check(lib.cudaEventRecord(done, self.stream), "cudaEventRecord")
+            return self._done()
+
+    def submit_work(self, work: Callable[[], None]) -> _vp:
+        """Enqueue ``work`` (device work launched on torch's current stream, which is this
+        copier's stream while it runs) in place of a copy; returns the completion event."""
+        with self.rt.on_device(self.device):
+            self._after_current_stream()
+            with torch.cuda.stream(self._torch_stream):
+                work()
+            return self._done()
+
+    def _after_current_stream(self) -> None:
+        """Order this copier's stream after the work queued on torch's current stream."""
+        rt, lib = self.rt, self.rt.rt
+        ready = self._event()
+        rt.check(lib.cudaEventRecord(ready, torch.cuda.current_stream(self.device).cuda_stream), "cudaEventRecord")
+        rt.check(lib.cudaStreamWaitEvent(self.stream, ready, 0), "cudaStreamWaitEvent")
+        rt.check(lib.cudaEventDestroy(ready), "cudaEventDestroy")
+
+    def _done(self) -> _vp:
+        done = self._event()
+        self.rt.check(self.rt.rt.cudaEventRecord(done, self.stream), "cudaEventRecord")
         return done
 
     def _submit_runs(self, blocks: np.ndarray) -> None:

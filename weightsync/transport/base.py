@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -95,6 +95,9 @@ class Transport(abc.ABC):
     """:meth:`write` returns before the bytes have moved, so packing can overlap the wire."""
     uses_blocks: ClassVar[bool] = False
     """The backend copies :func:`strided_blocks` (2-D copies) rather than plain runs."""
+    launches_on_device: ClassVar[bool] = False
+    """:meth:`launch` takes device work that writes the peer in place of a copy (CUDA IPC: the
+    caller's kernel runs on the transport's copy stream, e.g. a copy that also fingerprints)."""
     dest_needs_staging: ClassVar[bool] = False
     """Registered memory can be written by more than the peers given the descriptor (shm: any
     process of the user that learns the segment's name from ``/dev/shm``), so a receiver registers
@@ -260,16 +263,47 @@ class Transport(abc.ABC):
             ValueError: a source run outside this side's registered regions, or a destination
                 run outside the peer's regions (the message names the region).
         """
+        arr, src_idx, dst_idx = self._located(peer, runs)
+        arr = coalesce_runs(arr, keys=src_idx * max(len(peer.table), 1) + dst_idx)
+        blocks = strided_blocks(arr) if self.uses_blocks else None
+        return WriteBatch(peer=peer, runs=arr, blocks=blocks, nbytes=int(arr[:, 2].sum()))
+
+    def _located(self, peer: Peer, runs: Sequence[Run] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``runs`` validated and translated (not coalesced), with each run's source and
+        destination region index."""
         self._check_open()
         arr = as_runs(runs)
         src_idx = self._local_table.locate(arr[:, 0], arr[:, 2], what=f"{self.kind} write source (this process)")
         dst_idx = peer.table.locate(
             arr[:, 1], arr[:, 2], what=f"{self.kind} write destination on peer {peer.session_id!r}"
         )
-        arr = self._translate(peer, arr, dst_idx)
-        arr = coalesce_runs(arr, keys=src_idx * max(len(peer.table), 1) + dst_idx)
-        blocks = strided_blocks(arr) if self.uses_blocks else None
-        return WriteBatch(peer=peer, runs=arr, blocks=blocks, nbytes=int(arr[:, 2].sum()))
+        return self._translate(peer, arr, dst_idx), src_idx, dst_idx
+
+    def translate(self, peer: Peer, runs: Sequence[Run] | np.ndarray) -> np.ndarray:
+        """``runs`` as :meth:`prepare` checks and translates them -- destination addresses in this
+        process's view -- one row per run, in order (nothing coalesced): for device work given to
+        :meth:`launch`.
+
+        Raises:
+            ValueError: as :meth:`prepare`.
+        """
+        return self._located(peer, runs)[0]
+
+    def launch(self, peer: Peer, work: Callable[[], None], nbytes: int) -> WriteHandle:
+        """Issue ``work`` -- device work that writes ``nbytes`` into ``peer`` at addresses from
+        :meth:`translate` -- where this transport issues its copies, ordered after the work already
+        queued on torch's current stream; a handle for :meth:`wait` (``launches_on_device`` only).
+
+        Raises:
+            ValueError: this transport takes no device work.
+        """
+        if not self.launches_on_device:
+            raise ValueError(f"the {self.kind} transport takes no device work; write runs instead")
+        self._check_open()
+        return self._launch(peer, work, nbytes)
+
+    def _launch(self, peer: Peer, work: Callable[[], None], nbytes: int) -> WriteHandle:
+        raise NotImplementedError
 
     def _translate(self, peer: Peer, runs: np.ndarray, dst_idx: np.ndarray) -> np.ndarray:
         """Map destination addresses into this process's view: rebased for a :class:`MappedPeer`,

@@ -144,12 +144,12 @@ def _tables(runs: np.ndarray, device: torch.device, chunk: int) -> list[ChunkTab
         span_s = int((rel[:, 0] + rel[:, 2]).max())
         span_d = int((rel[:, 1] + rel[:, 2]).max())
         table = torch.from_numpy(np.ascontiguousarray(rel)).to(device)
-        out.append(ChunkTable(table=table, src_arg=_view(sb, span_s, device), dst_arg=_view(db, span_d, device),
+        out.append(ChunkTable(table=table, src_arg=raw_view(sb, span_s, device), dst_arg=raw_view(db, span_d, device),
                               aligned=aligned))
     return out
 
 
-def _view(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+def raw_view(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over raw memory (no ownership): the kernel's pointer argument. On the CPU
     (Triton's interpreter, for tests) host memory; else device memory of ``device``."""
     if device.type == "cpu":

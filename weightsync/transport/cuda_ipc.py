@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from weightsync.transport.base import Transport
-from weightsync.transport.handles import MappedPeer, WriteBatch, WriteHandle, timeout_message
+from weightsync.transport.handles import MappedPeer, Peer, WriteBatch, WriteHandle, timeout_message
 from weightsync.transport.records import PeerDescriptor, Region
 from weightsync.transport.region_table import RegionTable
 
@@ -59,6 +59,7 @@ class CudaIpcTransport(Transport):
     supports_host_memory: ClassVar[bool] = False
     supports_device_memory: ClassVar[bool] = True
     uses_blocks: ClassVar[bool] = True
+    launches_on_device: ClassVar[bool] = True
 
     @classmethod
     def config_options(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,6 +123,9 @@ class CudaIpcTransport(Transport):
     def _submit(self, batch: WriteBatch) -> CudaIpcHandle:
         assert batch.blocks is not None
         return CudaIpcHandle(nbytes=batch.nbytes, event=self._copier.submit(batch.blocks))
+
+    def _launch(self, peer: Peer, work: Callable[[], None], nbytes: int) -> CudaIpcHandle:
+        return CudaIpcHandle(nbytes=nbytes, event=self._copier.submit_work(work))
 
     def _wait(self, handle: WriteHandle, deadline: float) -> None:
         assert isinstance(handle, CudaIpcHandle)
