@@ -69,8 +69,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, deadline_s: float)
     raise SystemExit(f"engine not healthy within {deadline_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
+COPY_PROBE_BYTES = 4 << 30
+"""The device copy is timed on at most this many bytes and scaled to the update's (a copy's time is
+linear in its size at this scale; two buffers of the model's size would not fit beside the engine)."""
+
+
 def device_copy_s(nbytes: int, device: torch.device, repeats: int = 10) -> float:
-    """Median time of one copy of ``nbytes`` between two buffers on ``device``."""
+    """Median time of one copy of ``nbytes`` between two buffers on ``device`` (timed on at most
+    :data:`COPY_PROBE_BYTES` and scaled)."""
+    probe = min(nbytes, COPY_PROBE_BYTES)
+    return _copy_s(probe, device, repeats) * nbytes / probe
+
+
+def _copy_s(nbytes: int, device: torch.device, repeats: int) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     a.random_(0, 255)
