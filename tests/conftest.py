@@ -12,6 +12,7 @@ The default per-test timeout (pytest-timeout) is set in pyproject.toml; override
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,16 @@ def repo_root() -> Path:
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (:func:`weightsync.proc.free_port`)."""
     return proc.free_port()
+
+
+@pytest.fixture(scope="module")
+def trainer_group() -> Iterator[object]:
+    """A gloo group of this one trainer rank (the default group too, created here when absent)."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{proc.free_port()}", rank=0, world_size=1)
+    yield dist.new_group(ranks=[0], backend="gloo")
+    if created:
+        dist.destroy_process_group()

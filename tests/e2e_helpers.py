@@ -122,19 +122,26 @@ def run_command(cmd: Sequence[str], *, ckpt_dir: Path, log_dir: Path, env: Mappi
 def serve_engine(argv: Sequence[str], log: Path, port: int | None = None) -> Iterator[str]:
     """``weightsync serve ARGV`` (without ``--port``) on ``port`` (default: a free one) until the
     block ends, its output appended to ``log``; yields its URL once it is healthy."""
-    from weightsync.sync.engine_client import EngineClient
-
     if port is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
+    with serve_process([PYTHON, "-m", "weightsync.cli", "serve", *argv, "--port", str(port)], log, port) as url:
+        yield url
+
+
+@contextmanager
+def serve_process(cmd: Sequence[str], log: Path, port: int, *, timeout_s: float = 180) -> Iterator[str]:
+    """A server process ``cmd`` (run from the repo root) listening on ``port`` until the block
+    ends, its output appended to ``log``; yields its URL once ``/health`` answers; stopped by its id."""
+    from weightsync.sync.engine_client import EngineClient
+
     with open(log, "a") as out:
-        proc = subprocess.Popen([PYTHON, "-m", "weightsync.cli", "serve", *argv, "--port", str(port)], cwd=REPO_ROOT,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         client = EngineClient(url)
         try:
-            client.wait_healthy(timeout_s=180, proc_alive=lambda: proc.poll() is None)
+            client.wait_healthy(timeout_s=timeout_s, proc_alive=lambda: proc.poll() is None)
             yield url
         finally:
             client.close()

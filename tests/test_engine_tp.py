@@ -3,7 +3,7 @@ computes, for every family at TP 2, every MoE family at EP 2, and with DP-attent
 MLA models (GLM-5 with EP and replicated dense MLPs, Kimi-K2 with a DP lm_head, and with both
 plus EP as its profile runs them); and rank 0
 drives rank 1 through the control protocol: the weight checker, the broadcast update path
-(from a trainer thread in this process) and error propagation.
+(from a trainer thread in this process that builds its group as miles does) and error propagation.
 
 All multi-rank work runs in one spawn of two processes (``_rank_main``), to keep the test fast;
 rank 0 saves what it saw, the assertions run here.
@@ -11,6 +11,7 @@ rank 0 saves what it saw, the assertions run here.
 
 from __future__ import annotations
 
+import datetime
 import threading
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,11 @@ from tests.engine_helpers import (
     tiny,
     write_tiny_checkpoint,
 )
+from tests.sglang_fake import join_group_sglang_way
 from weightsync.engine.reference import Reference
 from weightsync.layout.sglang import engine_layout
 from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.models.parallel import RolloutParallel
-from weightsync.transport.group import new_weight_update_group
 
 CONFIGS: list[tuple[str, RolloutParallel]] = (
     [(m, RolloutParallel(tp=2)) for m in FAMILY_MODELS]
@@ -134,13 +135,19 @@ def _drive(driver: Any, trainer_port: int, ckpt: str, op: Any, rank_error: type)
 
 
 def _trainer(port: int, ckpt: str) -> None:
-    """Group rank 0 of the broadcast path: send every checkpoint tensor, in checkpoint order."""
-    pg = new_weight_update_group(
-        master_address="127.0.0.1", master_port=port, rank=0, world_size=3, group_name="wu", backend="gloo"
-    )
+    """Group rank 0 of the broadcast path, as miles' trainer is (its group built by torch's
+    rendezvous and group helper, miles ``utils/distributed_utils.py`` ``init_process_group``; one
+    asynchronous broadcast per tensor, then a wait on all, ``update_weight_from_distributed/
+    broadcast.py`` ``update_weights_from_distributed``): every checkpoint tensor, in checkpoint
+    order, to the engine's ranks 1 and 2 (``rank_offset`` 1 + each rank's TP rank)."""
+    pg = join_group_sglang_way(master_address="127.0.0.1", master_port=port, rank=0, world_size=3, group_name="wu",
+                               backend="gloo", timeout=datetime.timedelta(seconds=120))
     with HFCheckpoint(ckpt) as c:
-        for name in c.names():
-            pg.broadcast(c.get(name).contiguous(), 0).wait()
+        handles = [torch.distributed.broadcast(c.get(name).contiguous(), 0, group=pg, async_op=True)
+                   for name in c.names()]
+    for h in handles:
+        h.wait()
+    torch.distributed.destroy_process_group(pg)
 
 
 @pytest.fixture(scope="module")

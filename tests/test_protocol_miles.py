@@ -13,6 +13,7 @@ before the pause; the checksum answer is read by a reader that expects sglang's 
 from __future__ import annotations
 
 import base64
+import datetime
 import io
 import sys
 import time
@@ -34,6 +35,7 @@ from tests.engine_helpers import (  # noqa: F401 -- one_torch_thread: autouse fi
     tiny,
     two_tiny_checkpoints,
 )
+from tests.sglang_fake import join_group_sglang_way
 from weightsync.engine.config import ServeConfig
 from weightsync.engine.control import Driver
 from weightsync.engine.engine import Engine
@@ -336,18 +338,21 @@ def test_broadcast_bodies(client: TestClient, ckpts: tuple[str, str], free_port:
     """``connect_rollout_engines_from_distributed`` -> SGLangEngine.init_weights_update_group,
     ``update_weights_from_distributed`` (broadcast.py; body by SGLangEngine.update_weights_from_distributed:
     dtypes without "torch.", flush_cache False, selector, weight_version), then
-    ``destroy_weights_update_group``; the trainer (rank 0 of the group) broadcasts every tensor."""
-    from weightsync.transport.group import new_weight_update_group
-
+    ``destroy_weights_update_group``; the trainer is rank 0 of the group as miles builds it
+    (``utils/distributed_utils.py`` ``init_process_group``: torch's rendezvous and group helper)
+    and broadcasts every tensor as miles does (``broadcast.py`` ``update_weights_from_distributed``:
+    one asynchronous broadcast per tensor, then a wait on all)."""
     with HFCheckpoint(ckpts[1]) as c:
         tensors = {n: c.get(n) for n in c.names()}
     group = "miles-pp_0"
 
     def trainer() -> None:
-        pg = new_weight_update_group(master_address="127.0.0.1", master_port=free_port, rank=0, world_size=2,
-                                     group_name=group, backend="gloo")
-        for t in tensors.values():
-            pg.broadcast(t.contiguous(), 0).wait()
+        pg = join_group_sglang_way(master_address="127.0.0.1", master_port=free_port, rank=0, world_size=2,
+                                   group_name=group, backend="gloo", timeout=datetime.timedelta(seconds=120))
+        handles = [torch.distributed.broadcast(t.contiguous(), 0, group=pg, async_op=True) for t in tensors.values()]
+        for h in handles:
+            h.wait()
+        torch.distributed.destroy_process_group(pg)
 
     pool = ThreadPoolExecutor(1)
     sender = pool.submit(trainer)

@@ -12,13 +12,11 @@ xxh64 equals that of the trainer's tensors laid out by the engine's loading rule
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.e2e_helpers import serve_engine
 from tests.test_sync_updater_names import te_name
@@ -41,14 +39,9 @@ def engine_on(port: int, log: Path):
 
 
 @pytest.fixture(scope="module")
-def group() -> Iterator[object]:
-    """A gloo group of this one trainer rank (the default group too, created here when absent)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield dist.new_group(ranks=[0], backend="gloo")
-    if created:
-        dist.destroy_process_group()
+def group(trainer_group: object) -> object:
+    """A gloo group of this one trainer rank (conftest's ``trainer_group``)."""
+    return trainer_group
 
 
 def te_named_params(seed: int) -> dict[str, torch.Tensor]:

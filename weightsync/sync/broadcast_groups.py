@@ -4,8 +4,11 @@ Broadcast over a group (not colocated) needs one collective group per pipeline s
 stage source (rank 0 of the group) and every rollout rank. :class:`BroadcastGroups` makes them the
 way sglang's engines expect (``/init_weights_update_group``: ``master_address``, ``master_port``,
 ``rank_offset`` = 1 + engine index x TP, ``world_size``, ``group_name``, ``backend``): the stage
-sources pick a free port each, every trainer rank learns them, rank 0 asks every engine to join
-while the sources host the groups (both sides block until the rendezvous completes). Each bucket is
+sources pick a free port each, every trainer rank learns them, rank 0 asks every engine to join --
+all of them at once, before the sources build their stores -- while the sources host the groups
+(both sides block until the rendezvous completes: a source's store waits until every member
+joined, so posting to one engine at a time would wait for a group that cannot form). The groups
+are sglang's (:mod:`weightsync.transport.group`), so the engines may be real sglang servers. Each bucket is
 then announced to the engines (``/update_weights_from_distributed``: names, dtypes, shapes) while
 its source broadcasts it. Group names carry a generation (``{prefix}_src{rank}_{n}``), so groups
 rebuilt after a failure never meet an engine's stale one; the engines leave them on close.

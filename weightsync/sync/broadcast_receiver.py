@@ -9,8 +9,9 @@ keeps its own pieces (:func:`weightsync.sync.params.write_global`).
 fp8 engines accept either the bf16 weight (quantized on arrival, its scale written with it) or
 the float8 weight followed or preceded by its ``weight_scale_inv``.
 
-Both sides build the group the same way: :func:`weightsync.transport.group.new_weight_update_group`
-(rank 0 hosts the TCP store).
+The group is built as sglang's engine and miles' trainer build theirs
+(:func:`weightsync.transport.group.new_weight_update_group`; rank 0 hosts the TCP store), so the
+trainer may be weightsync's or miles'.
 
 Deadlines: joining is bounded by ``timeout_s`` (a master nobody listens on fails after it, naming
 the address) and can run in the background (:meth:`BroadcastReceiver.start_init`, polled with

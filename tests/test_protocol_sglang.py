@@ -1,0 +1,85 @@
+"""Contract: weightsync's trainer (:class:`WeightUpdater`) drives a server that behaves as a real
+sglang does -- release 0.5.23, release 0.5.16 and miles' build (tests/sglang_fake.py: sglang's
+routes, bodies, answers and refusals, its weight-update group joined sglang's way, its checksums).
+
+* Broadcast: the engines join the trainer's group as sglang's ``init_custom_process_group`` does
+  (``srt/utils/common.py``), each engine at its rank offset (1, then 1 + the TP of the engines
+  before it); the trainer posts ``/init_weights_update_group`` to all of them at once before its
+  store waits for them (one at a time the first post would wait for a group that cannot form),
+  then broadcasts every tensor from rank 0 in the announced order; what the engines hold is then
+  the trainer's weights, by sglang's own checksum.
+
+One trainer rank (a gloo group of one, in this process); fake engines are processes of their own.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.sglang_fake import expected_checksums, serve_fake
+from weightsync import UpdaterConfig, WeightUpdater
+from weightsync.layout.box import box_slices
+from weightsync.layout.megatron import trainer_layout
+from weightsync.models import get_model
+from weightsync.models.parallel import RolloutParallel, TrainParallel
+
+SPEC = get_model("Qwen3-4B", "tiny")
+TRAIN = TrainParallel(world_size=1)
+
+
+def trainer_params(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(t.shape, generator=gen).to(getattr(torch, t.dtype))
+            for t in trainer_layout(SPEC, TRAIN, 0)}
+
+
+def global_tensors_of(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF tensors a one-rank trainer's parameters hold (every piece of every global tensor)."""
+    from weightsync.models.hf import global_tensors
+
+    table = global_tensors(SPEC)
+    out: dict[str, torch.Tensor] = {}
+    for t in trainer_layout(SPEC, TRAIN, 0):
+        for p in t.pieces:
+            g = table[p.global_name]
+            dst = out.setdefault(p.global_name, torch.zeros(g.shape, dtype=getattr(torch, g.dtype)))
+            dst[box_slices(p.global_box)] = params[t.name][box_slices(p.local_box)].reshape(
+                tuple(b - a for a, b in p.global_box))
+    return out
+
+
+def checksums_of(url: str) -> list[dict[str, str]]:
+    """Each rank's checksums, from sglang's answer (``ranks[i].checksums``)."""
+    body = httpx.post(f"{url}/weights_checker", json={"action": "checksum"}, timeout=60).json()
+    assert body["success"], body
+    return [r["checksums"] for r in body["ranks"]]
+
+
+@pytest.mark.timeout(300)
+def test_broadcast_group_with_engines_that_join_sglangs_way(trainer_group: object, tmp_path: Path) -> None:
+    params = trainer_params(1)
+    with ExitStack() as stack:
+        urls = [stack.enter_context(serve_fake(tmp_path / f"engine{e}.log", flavor="miles", seed=e))
+                for e in range(2)]
+        before = [checksums_of(u) for u in urls]
+        config = UpdaterConfig(mode="broadcast", verify_every=0, group_timeout_s=60, http_timeout_s=60)
+        with WeightUpdater(params, spec=SPEC, train=TRAIN, engine_urls=urls, group=trainer_group,
+                           config=config) as updater:
+            stats = updater.update(1)
+            assert stats.mode == "broadcast"
+            expected = expected_checksums(SPEC, RolloutParallel(), 0, global_tensors_of(params), gpu=True)
+            for url, old in zip(urls, before):
+                (got,) = checksums_of(url)
+                assert got == expected
+                assert got != old[0]
+                calls = httpx.get(f"{url}/fake_calls").json()
+                session = calls[calls.index("/begin_weight_update"):calls.index("/end_weight_update")]
+                assert "/update_weights_from_distributed" in session
+                assert httpx.get(f"{url}/model_info").json()["weight_version"] == "1"
+        for url in urls:  # closing the updater took the engines off its group
+            assert "/destroy_weights_update_group" in httpx.get(f"{url}/fake_calls").json()
