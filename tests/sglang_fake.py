@@ -259,7 +259,8 @@ def build_app(fake: FakeSglang) -> Any:
 
     @app.middleware("http")
     async def record(request: Request, call_next: Any) -> Any:
-        fake.calls.append(request.url.path)
+        if request.url.path not in ("/fake_calls", "/health"):
+            fake.calls.append(request.url.path)
         return await call_next(request)
 
     @app.get("/fake_calls")

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.sglang_fake import expected_checksums, serve_fake
-from weightsync import UpdaterConfig, WeightUpdater
+from weightsync import UpdateError, UpdaterConfig, WeightUpdater
 from weightsync.layout.box import box_slices
 from weightsync.layout.megatron import trainer_layout
 from weightsync.models import get_model
@@ -83,3 +83,62 @@ def test_broadcast_group_with_engines_that_join_sglangs_way(trainer_group: objec
                 assert httpx.get(f"{url}/model_info").json()["weight_version"] == "1"
         for url in urls:  # closing the updater took the engines off its group
             assert "/destroy_weights_update_group" in httpx.get(f"{url}/fake_calls").json()
+
+
+def _calls_since(url: str, start: int) -> list[str]:
+    return httpx.get(f"{url}/fake_calls").json()[start:]
+
+
+def _num_calls(url: str) -> int:
+    return len(httpx.get(f"{url}/fake_calls").json())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flavor", ["0.5.23", "0.5.16"])
+def test_a_failed_update_leaves_sglang_paused_and_able_to_take_the_next(
+        trainer_group: object, tmp_path: Path, flavor: str, caplog: pytest.LogCaptureFixture) -> None:
+    """sglang has no ``/abort_weight_update``: a failed update ends the session with
+    ``/end_weight_update`` (0.5.23; 0.5.16 has no sessions: nothing to end, said once), publishes
+    nothing and does not resume generation; the next update begins and lands. A session left open
+    by a trainer that died is ended before the next begin."""
+    params = trainer_params(2)
+    config = UpdaterConfig(mode="broadcast", verify_every=0, group_timeout_s=60, http_timeout_s=60)
+    with serve_fake(tmp_path / "engine.log", flavor=flavor) as url, WeightUpdater(
+            params, spec=SPEC, train=TRAIN, engine_urls=[url], group=trainer_group, config=config) as updater:
+        write = updater.write
+
+        def broken(mode: object, **kw: object) -> dict:
+            raise RuntimeError("the trainer's write broke")
+
+        updater.write = broken  # type: ignore[method-assign]
+        start = _num_calls(url)
+        with pytest.raises(UpdateError, match=r"sglang engines .* have no abort.*the trainer's write broke"):
+            updater.update(1)
+        calls = _calls_since(url, start)
+        assert "/abort_weight_update" not in calls
+        assert "/update_weight_version" not in calls
+        assert "/continue_generation" not in calls
+        if flavor == "0.5.23":
+            assert calls[-1] == "/end_weight_update", calls
+        else:
+            assert calls.count("/begin_weight_update") == 1, "404 once, then no session routes"
+            assert "/end_weight_update" not in calls
+        assert httpx.get(f"{url}/model_info").json()["weight_version"] == "default"
+
+        updater.write = write  # type: ignore[method-assign]
+        if flavor == "0.5.23":  # a session a dead trainer left open
+            assert httpx.post(f"{url}/begin_weight_update", json={}).status_code == 200
+        start = _num_calls(url)
+        updater.update(2)
+        calls = _calls_since(url, start)
+        assert calls[-2:] == ["/update_weight_version", "/continue_generation"], calls
+        if flavor == "0.5.23":
+            begin = calls.index("/pause_generation") + 1  # after the rebuild the failure asks for
+            assert calls[begin:begin + 3] == ["/begin_weight_update", "/end_weight_update", "/begin_weight_update"]
+        else:
+            assert "/begin_weight_update" not in calls
+        expected = expected_checksums(SPEC, RolloutParallel(), 0, global_tensors_of(params), gpu=True)
+        assert checksums_of(url) == [expected]
+        assert httpx.get(f"{url}/model_info").json()["weight_version"] == "2"
+    said = [r for r in caplog.records if "no weight-update sessions" in r.getMessage()]
+    assert len(said) == (1 if flavor == "0.5.16" else 0)

@@ -26,9 +26,19 @@ continue; ``begin_weight_update(pause_free=True)`` answers the copy the session 
 (``target_copy``), and ``update_weight_version(v)`` after ``end_weight_update`` flips it in while
 the engine keeps generating (the answer says how, and for how long generation stood still).
 
-On a failure: :meth:`EngineClient.abort_weight_update`, or leave it; a later session recovers
-the engine. :meth:`EngineClient.engine_state` reads the state, ``weights_dirty``, the published
+On a failure: :meth:`EngineClient.drop_session` (the built-in engine's
+``abort_weight_update``), or leave it; a later session recovers the engine.
+:meth:`EngineClient.engine_state` reads the state, ``weights_dirty``, the published
 ``weight_version`` and the open session.
+
+**A real sglang server** is driven with the same calls, with two differences the client handles:
+sglang has no ``/abort_weight_update``, so :meth:`EngineClient.drop_session` ends a failed
+update's session with ``/end_weight_update`` (sglang 0.5.23 closes an open session whatever
+happened inside it, ``SchedulerWeightUpdaterManager.end_weight_update``); the engine stays paused
+and unpublished until the next update rewrites it. And sglang 0.5.16 has no session routes at all
+(404): :meth:`EngineClient.begin_weight_update` then says so once and the client updates that
+engine without sessions (0.5.16 accepts every update at any time). Which kind of engine it is
+comes from ``/server_info``: the built-in engine adds a ``weightsync`` key, sglang does not.
 
 Typical usage::
 
@@ -39,10 +49,13 @@ Typical usage::
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Weightsync-Session"
 """Carries the update session id on the session's calls (the engine refuses another session's)."""
@@ -68,6 +81,10 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.session_id: str | None = None
         """The update session this client opened last (sent with its calls until it ends)."""
+        self.builtin: bool | None = None
+        """The engine is weightsync's own (True) or sglang (False); None until ``/server_info`` was read."""
+        self.sessions = True
+        """The engine has update sessions (False: sglang before 0.5.23 answered 404 to ``begin``)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, trust_env=False, headers=headers)
 
@@ -127,7 +144,10 @@ class EngineClient:
 
     # -- information ----------------------------------------------------------------------------
     def server_info(self) -> dict[str, Any]:
-        return self._call("GET", "/server_info")
+        """``/server_info`` (sglang's ``ServerArgs`` and more); tells :attr:`builtin`."""
+        info = self._call("GET", "/server_info")
+        self.builtin = isinstance(info, dict) and "weightsync" in info
+        return info
 
     def engine_state(self) -> dict[str, Any]:
         """The built-in engine's ``{"state", "weights_dirty", "weight_version", "session_id",
@@ -179,12 +199,16 @@ class EngineClient:
     # -- weight updates -------------------------------------------------------------------------
     def begin_weight_update(self, selector: str = "all", *, pause_free: bool = False, flip: str | None = None,
                             pause_generation: str | None = None) -> Any:
-        """Open an update session on a paused engine (409 while serving or with a session open);
-        its id (the built-in engine's ``session_id``) goes with this client's session calls.
-        The built-in engine's extensions (sent only when set): ``pause_free``, a session on the
-        shadow of a serving engine, published by a ``flip`` (``swap`` or ``copy``);
-        ``pause_generation``, pause with this mode first, in the same call (only to an engine that
-        lists it, :meth:`control_extensions`: sglang would drop the field and refuse the begin)."""
+        """Open an update session on a paused engine (409 while serving or with a session open;
+        sglang: 400 with a session open); its id (the built-in engine's ``session_id``) goes with
+        this client's session calls. The built-in engine's extensions (sent only when set):
+        ``pause_free``, a session on the shadow of a serving engine, published by a ``flip``
+        (``swap`` or ``copy``); ``pause_generation``, pause with this mode first, in the same call
+        (only to an engine that lists it, :meth:`control_extensions`: sglang would drop the field
+        and refuse the begin). An engine without session routes (sglang 0.5.16: 404) is said so
+        once and updated without sessions from then on (returns None)."""
+        if not self.sessions:
+            return None
         body: dict[str, Any] = {"selector": selector}
         if pause_free:
             body["pause_free"] = True
@@ -192,7 +216,16 @@ class EngineClient:
             body["flip"] = flip
         if pause_generation is not None:
             body["pause_generation"] = pause_generation
-        out = self._call("POST", "/begin_weight_update", json=body)
+        try:
+            out = self._call("POST", "/begin_weight_update", json=body)
+        except EngineError as exc:
+            if exc.status != 404 or self.builtin:
+                raise
+            self.sessions = False
+            log.warning("%s has no weight-update sessions (/begin_weight_update: 404, sglang before 0.5.23): "
+                        "updating it without sessions; a failed update leaves it paused with partly written "
+                        "weights until the next one", self.base_url)
+            return None
         self.session_id = out.get("session_id") if isinstance(out, dict) else None
         return out
 
@@ -200,7 +233,10 @@ class EngineClient:
         """Post-load. Publishes only a version given inside the session (miles' order); otherwise
         the engine stays paused and dirty until :meth:`update_weight_version`. ``fingerprint_seed``
         (the built-in engine's extension, sent only when given): the answer's ``fingerprints`` are
-        the session copy's, as ``weights_checker("fingerprint", seed=...)`` answers them."""
+        the session copy's, as ``weights_checker("fingerprint", seed=...)`` answers them. Nothing
+        without sessions."""
+        if not self.sessions:
+            return None
         body = {} if fingerprint_seed is None else {"fingerprint_seed": int(fingerprint_seed)}
         return self._call("POST", "/end_weight_update", json=body, session=True)
 
@@ -209,6 +245,31 @@ class EngineClient:
         out = self._call("POST", "/abort_weight_update", json={}, session=True)
         self.session_id = None
         return out
+
+    def drop_session(self) -> Any:
+        """End a failed update's session without publishing anything; the engine stays paused.
+
+        The built-in engine: ``abort_weight_update`` (paused, dirty at the old version). sglang:
+        ``end_weight_update`` -- it has no abort route, and ``end`` closes whatever session is
+        open (a 400 "no weight-update session is open" means there is none: fine); the weights
+        stay partly written until the next update. Without sessions: nothing to end.
+        """
+        if self.builtin is not False:
+            try:
+                return self.abort_weight_update()
+            except EngineError as exc:  # not known to be sglang yet: its 404 tells
+                if self.builtin or exc.status != 404:
+                    raise
+                self.builtin = False
+        self.session_id = None
+        if not self.sessions:
+            return None
+        try:
+            return self._call("POST", "/end_weight_update", json={})
+        except EngineError as exc:
+            if exc.status == 400 and "no weight-update session" in str(exc):
+                return None
+            raise
 
     def update_weight_version(self, version: str, *, continue_generation: bool = False) -> Any:
         """Inside a session: the version ``end_weight_update`` publishes; after it: the

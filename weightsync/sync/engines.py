@@ -258,15 +258,28 @@ class Engines:
                                                     pause_generation=pause_generation), what="begin_weight_update")
 
     def abort_sessions(self, wait_s: float) -> None:
-        """``abort_weight_update`` on every engine, waiting at most ``wait_s`` (an engine that is
-        gone or refuses is logged: its session was not opened, or the next one replaces it)."""
-        futures = {self._pool.submit(c.abort_weight_update): i for i, c in enumerate(self.clients)}
+        """End every engine's session without publishing (:meth:`EngineClient.drop_session`: the
+        built-in engine's ``abort_weight_update``, sglang's ``end_weight_update``), waiting at most
+        ``wait_s`` (an engine that is gone or refuses is logged: its session was not opened, or the
+        next one replaces it)."""
+        futures = {self._pool.submit(c.drop_session): i for i, c in enumerate(self.clients)}
         done, late = wait(futures, timeout=wait_s)
         for f in done:
             if f.exception() is not None:
-                log.warning("%s: abort_weight_update: %s", self.where(futures[f]), f.exception())
+                log.warning("%s: ending the failed update's session: %s", self.where(futures[f]), f.exception())
         for f in late:
-            log.warning("%s: abort_weight_update not answered within %.0f s", self.where(futures[f]), wait_s)
+            log.warning("%s: ending the failed update's session: not answered within %.0f s",
+                        self.where(futures[f]), wait_s)
+
+    def sglang_held(self) -> str:
+        """What a failed update leaves on the engines that are real sglang servers (for the error
+        message; "" when there is none)."""
+        sglang = [self.where(i) for i, c in enumerate(self.clients) if c.builtin is False]
+        if not sglang:
+            return ""
+        return ("; sglang engines -- " + ", ".join(sglang) + " -- have no abort: their session was ended, their "
+                "weights are partly written until the next update rewrites them; do not continue their generation "
+                "before it")
 
     def close(self) -> None:
         """Close the clients (the engines keep running)."""
@@ -276,8 +289,9 @@ class Engines:
 
 
 def begin_recovering(client: EngineClient, **kwargs: Any) -> Any:
-    """``begin_weight_update`` on one engine (``kwargs``: its options), aborting a stale session first
-    (:meth:`Engines.begin_weight_update`).
+    """``begin_weight_update`` on one engine (``kwargs``: its options), ending a stale session first
+    (:meth:`Engines.begin_weight_update`; the built-in engine answers 409 "in progress", sglang 400
+    "already open").
 
     Raises:
         EngineError: the engine refused or could not be reached.
@@ -285,9 +299,11 @@ def begin_recovering(client: EngineClient, **kwargs: Any) -> Any:
     try:
         return client.begin_weight_update(**kwargs)
     except EngineError as exc:
-        if exc.status != 409 or "in progress" not in str(exc):
+        stale = (exc.status == 409 and "in progress" in str(exc)) or (
+            exc.status == 400 and "already open" in str(exc))
+        if not stale:
             raise
-    log.warning("%s: an earlier update's session is still open; aborting it to begin this one", client.base_url)
+    log.warning("%s: an earlier update's session is still open; ending it to begin this one", client.base_url)
     client.session_id = None  # whichever session is open
-    client.abort_weight_update()
+    client.drop_session()
     return client.begin_weight_update(**kwargs)

@@ -220,6 +220,7 @@ def held(u: WeightUpdater, version: str, errors: Sequence[str]) -> NoReturn:
         where = "the engines keep serving their old version"
     else:
         where = "the engines stay paused and dirty at their old version"
+    where += " (nothing of this update is served; the next update recovers them" + (
+        u.engines.sglang_held() if u.engines is not None else "") + ")"
     log.error("update to version %s failed, %s: %s", version, where, "; ".join(errors))
-    raise UpdateError(f"update to version {version} failed; {where} (nothing of this update is served; the next "
-                      f"update recovers them): " + "; ".join(errors))
+    raise UpdateError(f"update to version {version} failed; {where}: " + "; ".join(errors))

@@ -26,7 +26,9 @@ hashed by each trainer rank while it writes, against each engine's of the copy i
 wrote). On any
 failure rank 0 aborts every engine's session (nothing of the attempt is ever served: a pause-free
 engine keeps serving its old version, a paused one stays paused, dirty where the session wrote
-what it serves) and :class:`UpdateError` names the failing rank or engine; with
+what it serves; a real sglang has no abort: its session is ended and it stays paused,
+:meth:`~weightsync.sync.engine_client.EngineClient.drop_session`) and :class:`UpdateError` names
+the failing rank or engine; with
 ``UpdaterConfig.update_retries`` the attempt is first repeated from scratch (engines re-queried,
 senders rebuilt). The next update after a failure rebuilds the senders too, and recovers an
 engine left paused, dirty or with a dead holder's session open. :meth:`WeightUpdater.refresh`
