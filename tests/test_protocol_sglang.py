@@ -142,3 +142,45 @@ def test_a_failed_update_leaves_sglang_paused_and_able_to_take_the_next(
         assert httpx.get(f"{url}/model_info").json()["weight_version"] == "2"
     said = [r for r in caplog.records if "no weight-update sessions" in r.getMessage()]
     assert len(said) == (1 if flavor == "0.5.16" else 0)
+
+
+# -- discovery --------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flavor", ["0.5.23", "0.5.16", "miles"])
+def test_p2p_into_the_parameters_sglang_publishes(trainer_group: object, tmp_path: Path, flavor: str) -> None:
+    """Release sglang has no ``/parallelism_config`` (404): the ranks' coordinates come from
+    ``/server_info``; miles' build has it and it is checked. The p2p writes land (Mooncake, into
+    the table sglang publishes, two ranks of one engine), inside the session where there is one."""
+    params = trainer_params(3)
+    config = UpdaterConfig(mode="p2p", verify_every=0, http_timeout_s=60)
+    with serve_fake(tmp_path / "engine.log", flavor=flavor, tp=2, transport="mooncake") as url:
+        with WeightUpdater(params, spec=SPEC, train=TRAIN, engine_urls=[url], group=trainer_group,
+                           config=config) as updater:
+            assert updater.update(1).mode == "p2p"
+        full = global_tensors_of(params)
+        got = checksums_of(url)
+        for r in range(2):
+            assert got[r] == expected_checksums(SPEC, RolloutParallel(tp=2), r, full, gpu=True), f"rank {r}"
+
+
+@pytest.mark.timeout(300)
+def test_p2p_without_sglangs_transfer_engine_is_refused_naming_the_flag(trainer_group: object,
+                                                                        tmp_path: Path) -> None:
+    with serve_fake(tmp_path / "engine.log", flavor="0.5.23") as url, pytest.raises(
+            ValueError, match=r"rank 0 publishes no parameter table.*--remote-instance-weight-loader-start-seed-via-"
+                              r"transfer-engine"):
+        WeightUpdater(trainer_params(0), spec=SPEC, train=TRAIN, engine_urls=[url], group=trainer_group,
+                      config=UpdaterConfig(mode="p2p", verify_every=0))
+
+
+@pytest.mark.timeout(300)
+def test_a_published_table_of_another_model_is_refused_at_connect(trainer_group: object, tmp_path: Path) -> None:
+    """Broadcast needs no table, but one that is published is checked against the derived layout."""
+    other = get_model("Qwen3-30B-A3B", "tiny")
+    params = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in trainer_layout(other, TRAIN, 0)}
+    with serve_fake(tmp_path / "engine.log", flavor="0.5.23", transport="mooncake") as url, pytest.raises(
+            ValueError, match=r"engine 0 at .*, rank 0: rollout rank 0 does not have the layout the plan expects"):
+        WeightUpdater(params, spec=other, train=TRAIN, engine_urls=[url], group=trainer_group,
+                      config=UpdaterConfig(mode="broadcast", verify_every=0))

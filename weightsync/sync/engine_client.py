@@ -169,11 +169,26 @@ class EngineClient:
         facts = self.server_info().get("weightsync")
         return tuple(facts.get("control_extensions") or ()) if isinstance(facts, dict) else ()
 
-    def parallelism_config(self, rank: int) -> dict[str, Any]:
-        return self._call("GET", "/parallelism_config", params={"rank": rank})
+    def parallelism_config(self, rank: int) -> dict[str, Any] | None:
+        """miles' build's record of ``rank``'s parallel coordinates; None where the route does not
+        exist (release sglang answers 404)."""
+        try:
+            return self._call("GET", "/parallelism_config", params={"rank": rank})
+        except EngineError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
-    def transfer_engine_info(self, rank: int) -> dict[str, Any]:
-        return self._call("GET", "/get_remote_instance_transfer_engine_info", params={"rank": rank})
+    def transfer_engine_info(self, rank: int) -> dict[str, Any] | None:
+        """``rank``'s published parameter table (``remote_instance_transfer_engine_info``); None
+        where it publishes none (sglang without its transfer engine answers 400 "Failed to get
+        transfer engine info for rank R", ``http_server.py`` ``remote_instance_transfer_engine_info``)."""
+        try:
+            return self._call("GET", "/remote_instance_transfer_engine_info", params={"rank": rank})
+        except EngineError as exc:
+            if exc.status == 400 and "Failed to get transfer engine info" in str(exc):
+                return None
+            raise
 
     def get_weight_version(self) -> str:
         """The live weight version: ``/model_info`` (sglang 0.5.16+ answers 404 on the older

@@ -3,14 +3,16 @@
 Only what sglang itself publishes is read, so a real sglang server is discovered the same way as
 the built-in engine:
 
-* ``/server_info``: ``ServerArgs``' ``tp_size``, ``dp_size``, ``ep_size``, ``pp_size``,
-  ``moe_dense_tp_size``, ``enable_dp_lm_head`` -> the :class:`RolloutParallel` of the engines
-  (every engine must agree);
-* per rank, ``/parallelism_config`` (checked against the rank's coordinates in that layout) and
-  ``/get_remote_instance_transfer_engine_info``: sglang's ``[session_id, {name: (ptr, numel,
-  element_size)}]``, plus this project's engine's ``transport_descriptor`` (an extension; an
-  engine without one is written over Mooncake at ``session_id``,
-  :func:`~weightsync.sync.p2p_sender.dest_rank_from_info`).
+* ``/server_info``: ``ServerArgs`` -> the :class:`RolloutParallel` of the engines (every engine
+  must agree), every rank's coordinates derived as sglang derives them, and the settings
+  weightsync cannot lay out refused in one line (:mod:`weightsync.sync.server_args`);
+* per rank, ``/parallelism_config`` where it exists (miles' build; checked against the derived
+  coordinates; release sglang answers 404, said once) and ``/remote_instance_transfer_engine_info``:
+  sglang's ``[session_id, {name: (ptr, numel, element_size)}]``, plus this project's engine's
+  ``transport_descriptor`` (an extension; an engine without one is written over Mooncake at
+  ``session_id``, :func:`~weightsync.sync.p2p_sender.dest_rank_from_info`). The published names,
+  sizes and element sizes are checked against the derived layout -- for p2p always, for
+  broadcast where the engine publishes them (:meth:`Engines.check_tables`).
 
 Every error names the engine (index and URL) and the rank.
 
@@ -32,40 +34,17 @@ from typing import Any, TypeVar
 from weightsync.layout.box import LocalTensor
 from weightsync.layout.sglang_coords import engine_coords
 from weightsync.layout.sglang_fp8 import fp8_block_from_table
-from weightsync.layout.sglang_options import check_server_args, options_from_table, stale_router_warning
+from weightsync.layout.sglang_options import options_from_table, stale_router_warning
 from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
 from weightsync.sync.engine_client import EngineClient, EngineError
 from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, dest_rank_from_info
+from weightsync.sync.server_args import rollout_from_server_info
 from weightsync.sync.update_options import CONTROL_EXTENSIONS
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-SIZE_FIELDS = ("tp_size", "dp_size", "ep_size", "pp_size", "moe_dense_tp_size", "enable_dp_lm_head")
-"""The ``ServerArgs`` fields an update's destination layout depends on."""
-
-
-def rollout_from_server_info(info: dict[str, Any], num_engines: int) -> RolloutParallel:
-    """The engine layout that ``/server_info`` describes.
-
-    Raises:
-        ValueError: a field is missing, the engine is pipeline-parallel, or it sets a layout setting
-            weightsync does not model (redundant experts, ...:
-            :func:`~weightsync.layout.sglang_options.check_server_args`).
-    """
-    missing = [k for k in SIZE_FIELDS if k not in info]
-    if missing:
-        raise ValueError(f"/server_info lacks {missing}: not an sglang ServerArgs answer")
-    if int(info["pp_size"]) != 1:
-        raise ValueError(f"pp_size={info['pp_size']}: pipeline-parallel engines are not supported")
-    check_server_args(info)
-    dense = info["moe_dense_tp_size"]
-    return RolloutParallel(tp=int(info["tp_size"]), dp=int(info["dp_size"]), ep=int(info["ep_size"]),
-                           num_engines=num_engines, moe_dense_tp=None if dense is None else int(dense),
-                           dp_lm_head=bool(info["enable_dp_lm_head"]))
-
 
 class Engines:
     """HTTP clients of the engines of one update, in engine order (module docstring)."""
@@ -182,24 +161,21 @@ class Engines:
             publishes one copy or sglang's table only).
 
         Raises:
-            ValueError: ``/parallelism_config`` differs from the layout's coordinates, the engine
-                publishes another transport than ``kind`` (or only sglang's table while ``kind`` is
-                not Mooncake), or its parameters are not the layout's (each named with engine and rank).
+            ValueError: ``/parallelism_config`` differs from the layout's coordinates, a rank
+                publishes no table (sglang without its transfer engine: the flag is named), the
+                engine publishes another transport than ``kind`` (or only sglang's table while
+                ``kind`` is not Mooncake), or its parameters are not the layout's (each named
+                with engine and rank).
         """
-        tp = rollout.tp
         out: dict[int, dict[str, Any]] = {}
         for e, client in enumerate(self.clients):
-            for r in range(tp):
-                c = engine_coords(rollout, r)
-                expect = {"tp_size": c.tp_size, "tp_rank": c.tp_rank, "attn_tp_size": c.attn_tp_size,
-                          "attn_tp_rank": c.attn_tp_rank, "attn_dp_size": c.attn_dp_size,
-                          "attn_dp_rank": c.attn_dp_rank, "ep_size": c.moe_ep_size, "ep_rank": c.moe_ep_rank,
-                          "moe_tp_size": c.moe_tp_size, "moe_tp_rank": c.moe_tp_rank}
-                got = client.parallelism_config(r)
-                bad = [f"{k}={got[k]} (plan: {v})" for k, v in expect.items() if k in got and got[k] != v]
-                if bad:
-                    raise ValueError(f"{self.where(e)}, rank {r}: /parallelism_config differs: " + ", ".join(bad))
+            for r in range(rollout.tp):
+                self._check_coordinates(e, rollout, r)
                 info = client.transfer_engine_info(r)
+                if info is None:
+                    raise ValueError(f"{self.where(e)}, rank {r} publishes no parameter table: p2p writes into a "
+                                     "real sglang need its transfer engine (start it with --remote-instance-weight-"
+                                     "loader-start-seed-via-transfer-engine, without --enable-memory-saver)")
                 session, weights = info["remote_instance_transfer_engine_info"]
                 descriptor = info.get("transport_descriptor")
                 have = SGLANG_TRANSPORT if descriptor is None else str(descriptor.get("kind"))
@@ -211,15 +187,55 @@ class Engines:
                 if have != kind:
                     raise ValueError(f"{self.where(e)}, rank {r} receives through {have!r}, this update sends "
                                      f"through {kind!r}: start it with --transport {kind}")
-                g = e * tp + r
+                g = e * rollout.tp + r
                 copies = info.get("weight_copies")
                 out[g] = {"session_id": session, "weights": weights, "descriptor": descriptor,
                           "copies": copies if isinstance(copies, list) and len(copies) > 1 else None}
-                try:  # the parameters it publishes are the ones the plan writes (names, sizes)
-                    dest_rank_from_info(g, out[g], dest_layout(g))
-                except ValueError as exc:
-                    raise ValueError(f"{self.where(e)}, rank {r}: {exc}") from None
+                self._check_table(e, r, g, out[g], dest_layout)
         return out
+
+    def check_tables(self, rollout: RolloutParallel, dest_layout: Callable[[int], Sequence[LocalTensor]]) -> None:
+        """Without p2p: each rank's coordinates (where ``/parallelism_config`` exists) and its
+        published parameter table (where it publishes one) against the layout.
+
+        Raises:
+            ValueError: as :meth:`transfer_infos` (named).
+        """
+        for e, client in enumerate(self.clients):
+            for r in range(rollout.tp):
+                self._check_coordinates(e, rollout, r)
+                info = client.transfer_engine_info(r)
+                if info is not None:
+                    session, weights = info["remote_instance_transfer_engine_info"]
+                    self._check_table(e, r, e * rollout.tp + r, {"session_id": session, "weights": weights,
+                                                                 "descriptor": info.get("transport_descriptor")},
+                                      dest_layout)
+
+    def _check_coordinates(self, e: int, rollout: RolloutParallel, r: int) -> None:
+        """Rank ``r``'s ``/parallelism_config`` (miles' build) against the derived coordinates;
+        an engine without the route (release sglang) is said once and trusted to ``/server_info``."""
+        client = self.clients[e]
+        got = client.parallelism_config(r)
+        if got is None:
+            if r == 0:
+                log.info("%s has no /parallelism_config (release sglang): its ranks' coordinates are derived from "
+                         "/server_info", self.where(e))
+            return
+        c = engine_coords(rollout, r)
+        expect = {"tp_size": c.tp_size, "tp_rank": c.tp_rank, "attn_tp_size": c.attn_tp_size,
+                  "attn_tp_rank": c.attn_tp_rank, "attn_dp_size": c.attn_dp_size, "attn_dp_rank": c.attn_dp_rank,
+                  "ep_size": c.moe_ep_size, "ep_rank": c.moe_ep_rank, "moe_tp_size": c.moe_tp_size,
+                  "moe_tp_rank": c.moe_tp_rank, "pp_size": 1}
+        bad = [f"{k}={got[k]} (plan: {v})" for k, v in expect.items() if k in got and got[k] != v]
+        if bad:
+            raise ValueError(f"{self.where(e)}, rank {r}: /parallelism_config differs: " + ", ".join(bad))
+
+    def _check_table(self, e: int, r: int, g: int, info: dict[str, Any],
+                     dest_layout: Callable[[int], Sequence[LocalTensor]]) -> None:
+        try:  # the parameters it publishes are the ones the plan writes (names, sizes)
+            dest_rank_from_info(g, info, dest_layout(g))
+        except ValueError as exc:
+            raise ValueError(f"{self.where(e)}, rank {r}: {exc}") from None
 
     def pause_free(self, infos: dict[int, dict[str, Any]] | None = None, tp: int = 1) -> str | None:
         """Why the engines cannot all take pause-free updates (each engine named), or None.

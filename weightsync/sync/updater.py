@@ -202,10 +202,11 @@ class WeightUpdater:
             r = rollout or self.engines.rollout_parallel(self.spec)
             block = self.engines.fp8_block(self.spec, r)
             extensions = self.engines.control_extensions()
+            inputs = self._inputs(r, self.spec.replace(fp8_block=block))
             if Mode.P2P not in self.config.modes:
+                self.engines.check_tables(r, inputs.dest_layout)
                 return _Discovered(rollout=r, infos=None, kind=None, pause_reason=self._pause_reason(None, r.tp),
                                    fp8_block=block, extensions=extensions)
-            inputs = self._inputs(r, self.spec.replace(fp8_block=block))
             want = self.config.transport
             kind = want.kind.value if isinstance(want, TransportConfig) else None if want == "auto" else str(want)
             infos = self.engines.transfer_infos(r, inputs.dest_layout, kind)
