@@ -3,7 +3,7 @@ and update an engine started by ``weightsync serve`` bit-exactly in both modes.
 
 Both run in a subprocess, exactly as a user runs them, against one engine (Qwen3-4B tiny, TP 2,
 shm, dummy weights). Bit-exactness is what each update's verification proves: every engine
-parameter's xxh64 equals that of the trainer's tensors laid out by the engine's loading rule
+parameter's fingerprint equals the sum of the fingerprints of what the trainer ranks wrote into it
 (``stats.verified``; a mismatch fails the update). The README snippet asserts it itself; the
 example prints it, and the test checks the printed lines.
 """

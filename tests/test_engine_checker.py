@@ -76,21 +76,31 @@ def test_compare_without_snapshot_is_refused(engine_and_ckpt: tuple[Engine, str]
         engine_and_ckpt[0].checker.compare()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the pinned staging path)")
-def test_checksums_of_gpu_parameters_through_the_pinned_buffer_equal_one_shot_xxh64(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import xxhash
-
-    from weightsync.engine import checker as checker_mod
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_checksums_are_sglangs_where_the_parameters_are(device: str) -> None:
+    """sglang's ``tensor_hash`` (``managers/mm_utils.py``): ``gpu_tensor_hash`` of a GPU tensor,
+    the sha256 prefix of a CPU one; fp8 weights hashed dequantized (their scales not listed)."""
+    from tests.sglang_reference import sglang_checksum
+    from weightsync.engine.checker import WeightChecker
     from weightsync.layout.sglang import engine_layout
     from weightsync.models import get_model
     from weightsync.models.parallel import RolloutParallel
     from weightsync.sync.params import ParamStore
+    from weightsync.sync.sglang_checksum import dequant_bf16
 
-    monkeypatch.setattr(checker_mod, "HASH_CHUNK", 4096)  # several chunks per tensor, a short last one
-    store = ParamStore(engine_layout(get_model("Qwen3-4B", "tiny"), RolloutParallel(), 0), torch.device("cuda"))
-    for _, t in store.items():
-        t.reshape(-1).view(torch.uint8).random_(0, 256)
-    got = checker_mod.WeightChecker(store).checksum()["checksums"]
-    want = {n: xxhash.xxh64(t.cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest() for n, t in store.items()}
-    assert got == want
+    store = ParamStore(engine_layout(get_model("Kimi-K2", "tiny"), RolloutParallel(), 0), torch.device(device))
+    gen = torch.Generator().manual_seed(1)
+    for name, t in store.items():
+        values = torch.randint(0, 120 if name.endswith("_scale_inv") or t.dtype == torch.float8_e4m3fn else 256,
+                               (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
+        t.view(torch.uint8).reshape(-1).copy_(values)  # fp8 and scales: finite values
+    got = WeightChecker(store).checksum()["checksums"]
+    gpu = device == "cuda"
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    scale = store[name + "_scale_inv"]
+    assert got[name] == sglang_checksum(dequant_bf16(store[name].cpu(), scale.cpu()), gpu=gpu)
+    assert not [n for n in got if n.endswith("_scale_inv")]
+    assert not [n for n in got if n.endswith(("w_kc", "w_vc"))], "derived tensors are not sglang parameters"
+    assert not [n for n in got if n.endswith((".k_scale", ".v_scale"))], "sglang skips the constant k/v scales"
+    norm = "model.layers.0.input_layernorm.weight"
+    assert got[norm] == sglang_checksum(store[norm], gpu=gpu)

@@ -186,14 +186,17 @@ def test_p2p_update_into_an_engine_publishing_only_sglangs_format(sglang_engine:
         stats = sender.send(deadline_s=120)
         written = _checksums(url)
         assert stats.nbytes > 0
-        assert {n for n in reset if reset[n] != written[n]} == set(weights_info), "every parameter was written"
-        assert {n: written[n] for n in derived} == {n: reset[n] for n in derived}, "no derived tensor was written"
+        listed = {n for n in weights_info if not n.endswith("_scale_inv")}  # sglang hashes an fp8 weight with its scale
+        assert {n for n in reset if reset[n] != written[n]} == listed, "every parameter was written"
+        before_end = httpx.post(f"{url}/weights_checker", json={"action": "compare"}, timeout=120).json()
+        assert {m["name"] for m in before_end["mismatches"]} == set(derived), (
+            "every written parameter is the checkpoint's again; no derived tensor was written (they are recomputed "
+            "at the end of the session)")
         _post(url, "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
         _post(url, "/end_weight_update", {})
         _post(url, "/continue_generation", {})
         cmp = _post(url, "/weights_checker", {"action": "compare", "allow_quant_error": False, "selector": "all"})
         assert cmp["success"], cmp
-        assert {n: written[n] for n in derived} != {n: v for n, v in _checksums(url).items() if n in derived}
     finally:
         sender.close()
 

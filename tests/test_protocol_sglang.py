@@ -67,11 +67,12 @@ def test_broadcast_group_with_engines_that_join_sglangs_way(trainer_group: objec
         urls = [stack.enter_context(serve_fake(tmp_path / f"engine{e}.log", flavor="miles", seed=e))
                 for e in range(2)]
         before = [checksums_of(u) for u in urls]
-        config = UpdaterConfig(mode="broadcast", verify_every=0, group_timeout_s=60, http_timeout_s=60)
+        config = UpdaterConfig(mode="broadcast", verify_every=1, group_timeout_s=60, http_timeout_s=60)
         with WeightUpdater(params, spec=SPEC, train=TRAIN, engine_urls=urls, group=trainer_group,
                            config=config) as updater:
             stats = updater.update(1)
             assert stats.mode == "broadcast"
+            assert stats.verified
             expected = expected_checksums(SPEC, RolloutParallel(), 0, global_tensors_of(params), gpu=True)
             for url, old in zip(urls, before):
                 (got,) = checksums_of(url)
@@ -152,13 +153,16 @@ def test_a_failed_update_leaves_sglang_paused_and_able_to_take_the_next(
 def test_p2p_into_the_parameters_sglang_publishes(trainer_group: object, tmp_path: Path, flavor: str) -> None:
     """Release sglang has no ``/parallelism_config`` (404): the ranks' coordinates come from
     ``/server_info``; miles' build has it and it is checked. The p2p writes land (Mooncake, into
-    the table sglang publishes, two ranks of one engine), inside the session where there is one."""
+    the table sglang publishes, two ranks of one engine), inside the session where there is one,
+    and the update verifies by sglang's own checksums (each release's answer shape)."""
     params = trainer_params(3)
-    config = UpdaterConfig(mode="p2p", verify_every=0, http_timeout_s=60)
+    config = UpdaterConfig(mode="p2p", verify_every=1, http_timeout_s=60)
     with serve_fake(tmp_path / "engine.log", flavor=flavor, tp=2, transport="mooncake") as url:
         with WeightUpdater(params, spec=SPEC, train=TRAIN, engine_urls=[url], group=trainer_group,
                            config=config) as updater:
-            assert updater.update(1).mode == "p2p"
+            stats = updater.update(1)
+            assert stats.mode == "p2p"
+            assert stats.verified, "sglang's own checksums of every rank equal the plan shares' sums"
         full = global_tensors_of(params)
         got = checksums_of(url)
         for r in range(2):
@@ -184,3 +188,42 @@ def test_a_published_table_of_another_model_is_refused_at_connect(trainer_group:
             ValueError, match=r"engine 0 at .*, rank 0: rollout rank 0 does not have the layout the plan expects"):
         WeightUpdater(params, spec=other, train=TRAIN, engine_urls=[url], group=trainer_group,
                       config=UpdaterConfig(mode="broadcast", verify_every=0))
+
+
+# -- verification ------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_write_that_did_not_happen_is_named_by_sglangs_checksums(trainer_group: object, tmp_path: Path) -> None:
+    """A p2p write that did not happen: sglang's checksums (from the plan shares) name the
+    tensors; the engine's session is ended and nothing is published; the next update repairs it."""
+    from weightsync.sync.p2p_sender import SendStats
+
+    params = trainer_params(4)
+    config = UpdaterConfig(mode="p2p", verify_every=1, http_timeout_s=60)
+    with serve_fake(tmp_path / "engine.log", flavor="0.5.23", transport="mooncake") as url, \
+            WeightUpdater(params, spec=SPEC, train=TRAIN, engine_urls=[url], group=trainer_group,
+                          config=config) as updater:
+        sender = updater.p2p_sender
+        assert sender is not None
+        real = sender.send
+        sender.send = lambda **kw: SendStats(total_s=0.0, pack_s=0.0, wire_s=0.0, bytes_direct=0,  # type: ignore
+                                             bytes_staged=0, bytes_by_dest={})
+        start = _num_calls(url)
+        with pytest.raises(UpdateError, match=rf"checksums differ: engine 0 at {url}, rank 0: \d+ of \d+ tensors "
+                                              r"differ: .*model\.embed_tokens\.weight"):
+            updater.update(1)
+        calls = _calls_since(url, start)
+        assert calls[calls.index("/weights_checker") + 1:] == ["/end_weight_update"], "no version, no resume"
+        assert httpx.get(f"{url}/model_info").json()["weight_version"] == "default"
+        sender.send = real  # type: ignore[method-assign]
+        assert updater.update(2).verified
+
+
+@pytest.mark.timeout(300)
+def test_verifying_a_cpu_sglang_is_refused_at_set_up(trainer_group: object, tmp_path: Path) -> None:
+    """sglang on the CPU reports sha256 checksums, which do not add up over the writers."""
+    with serve_fake(tmp_path / "engine.log", flavor="0.5.23", device="cpu", transport="mooncake") as url, \
+            pytest.raises(ValueError, match=r"a real sglang on the CPU .*verify_every=0"):
+        WeightUpdater(trainer_params(5), spec=SPEC, train=TRAIN, engine_urls=[url], group=trainer_group,
+                      config=UpdaterConfig(mode="p2p", verify_every=1))

@@ -7,7 +7,7 @@ updates is picked up by ``refresh()``, not by a new updater.
 One trainer rank (a gloo group of one, in this process) and one ``weightsync serve`` engine
 (Qwen3-4B tiny, TP 2, shm, dummy weights) on a fixed port, so that the restarted engine has the
 same URL and new parameter addresses. Bit-exact: ``stats.verified`` (every engine parameter's
-xxh64 equals that of the trainer's tensors laid out by the engine's loading rule).
+fingerprint equals the sum of the fingerprints of what the trainer ranks wrote into it).
 """
 
 from __future__ import annotations

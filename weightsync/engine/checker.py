@@ -16,12 +16,10 @@ absolute difference (as float32) and the count of differing elements. With
 dequantized tensor instead, and pass when every element is within one fp8 ULP of each side
 (scaled by its block scale), sglang's ``Fp8BlockComparable`` rule.
 
-Checksums are xxh64 of each tensor's raw bytes (sglang hashes dequantized weights with its own
-hash), so they compare between engines of this project and with the trainer's expectation
-(:mod:`weightsync.launch.validate`), not with a real sglang's. Parameters on a GPU are hashed
-through one reused page-locked host buffer, chunk by chunk (the streaming digest equals the
-one-shot one): on one H200, 1.18 GB took 1.20 s through fresh pageable copies, the copy alone
-into pinned memory 22 ms (scripts/bench_verify.py, before the fingerprint).
+Checksums are sglang's own (:mod:`weightsync.sync.sglang_checksum`): ``gpu_tensor_hash`` of a
+parameter on a GPU, the sha256 prefix of one on the CPU, block-fp8 weights hashed dequantized to
+bfloat16 with their scale, scales not listed -- so miles' checksum consumer sees the same values
+on this engine as on a real sglang holding the same weights.
 
 Fingerprints (the ``fingerprint`` action, :mod:`weightsync.fingerprint`) are what an updater
 verifies an update with: a seeded, position-dependent hash of every element of every non-derived
@@ -32,22 +30,19 @@ compute over exactly the bytes they wrote.
 
 from __future__ import annotations
 
-import hashlib
 import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import xxhash
 
 from weightsync.fingerprint import FingerprintBatch, to_hex, whole_tensors
 from weightsync.fingerprint.hash import check_seed
 from weightsync.sync.params import ParamStore
+from weightsync.sync.sglang_checksum import checksums, per_gpu_checksum
 
 FP8 = torch.float8_e4m3fn
-HASH_CHUNK = 256 << 20
-"""Bytes of the pinned staging buffer :meth:`WeightChecker.checksum` hashes GPU parameters through."""
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -102,26 +97,9 @@ class WeightChecker:
         self.store = store
         self.parallelism_info = dict(parallelism_info or {})
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._pinned: torch.Tensor | None = None
-        """The page-locked staging buffer of :meth:`checksum` (GPU parameters only)."""
         self._batches: weakref.WeakKeyDictionary[ParamStore, tuple[tuple[str, ...], FingerprintBatch]] = (
             weakref.WeakKeyDictionary())
         """Per store hashed, the names and the batch of :meth:`fingerprint` (built on first use)."""
-
-    def _xxh64(self, t: torch.Tensor) -> str:
-        """xxh64 hex digest of ``t``'s raw bytes (module docstring: GPU tensors through a pinned buffer)."""
-        raw = _bytes(t)
-        if raw.device.type == "cpu":
-            return xxhash.xxh64(raw.numpy()).hexdigest()
-        n = raw.numel()
-        if self._pinned is None or self._pinned.numel() < min(n, HASH_CHUNK):
-            self._pinned = torch.empty(min(max(n, 1 << 20), HASH_CHUNK), dtype=torch.uint8, pin_memory=True)
-        h = xxhash.xxh64()
-        for off in range(0, n, self._pinned.numel()):
-            m = min(self._pinned.numel(), n - off)
-            self._pinned[:m].copy_(raw[off : off + m])  # synchronous: the bytes are on the host after it
-            h.update(self._pinned[:m].numpy())
-        return h.hexdigest()
 
     def snapshot(self) -> dict[str, int]:
         """Copy every parameter to host memory (replacing an older snapshot; kept until then)."""
@@ -203,20 +181,26 @@ class WeightChecker:
             out["within_quant_error"] = tolerated
         return out
 
-    def checksum(self, skip: Sequence[str] = ()) -> dict[str, Any]:
-        """xxh64 of each parameter's bytes, one digest over all (name-sorted), and this rank's
-        ``parallelism_info`` (sglang's ``ChecksumInfo`` shape: a list, one entry per role).
-        Constant parameters (fp8 attention ``k_scale`` / ``v_scale``) are not listed: sglang marks
-        them ``_skip_weight_check`` (``layers/quantization/kv_cache.py``)."""
-        sums = {name: self._xxh64(t) for name, t in self.store.items()
-                if not _skipped(name, skip) and self.store.meta[name].constant is None}
-        overall = hashlib.sha256()
-        for name in sorted(sums):
-            overall.update(name.encode())
-            overall.update(sums[name].encode())
+    def checksum(self, skip: Sequence[str] = (), *, gpu: bool | None = None) -> dict[str, Any]:
+        """sglang's checksum of each listed parameter (module docstring; derived tensors are not
+        parameters in sglang and constant ones are skipped by its checker, so neither is listed),
+        one digest over all
+        (name-sorted), and this rank's ``parallelism_info`` (sglang's ``ChecksumInfo`` shape: a
+        list, one entry per role).
+
+        Args:
+            skip: name substrings of (unquantized) tensors to leave out (sglang's skip list).
+            gpu: hash as sglang does on a GPU (True) or on the CPU (False); default: where the
+                parameters are.
+        """
+        # derived tensors are not sglang's parameters; constant ones (fp8 attention k_scale / v_scale)
+        # sglang marks _skip_weight_check (layers/quantization/kv_cache.py)
+        params = [(n, t) for n, t in self.store.items()
+                  if not self.store.meta[n].derived and self.store.meta[n].constant is None]
+        sums = checksums(params, skip=skip, gpu=gpu)
         return {
             "checksums": sums,
-            "per_gpu_checksum": overall.hexdigest(),
+            "per_gpu_checksum": per_gpu_checksum(sums),
             "parallelism_info": [{"role": "target", **self.parallelism_info}] if self.parallelism_info else [],
         }
 

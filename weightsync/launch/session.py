@@ -448,7 +448,8 @@ class RunSession:
         """Checksums of every engine parameter against the trainer's weights, and logprob parity."""
         read = self._reference(step)
         tp = self.cfg.rollout.tp
-        want = [expected_checksums(self.spec, self.cfg.rollout, r, read) for r in range(tp)]
+        gpu = self.cfg.device == "cuda"
+        want = [expected_checksums(self.spec, self.cfg.rollout, r, read, gpu=gpu) for r in range(tp)]
         bad: list[str] = []
         for e, eng in enumerate(self.procs.engines):
             for r in range(tp):

@@ -2,8 +2,9 @@
 
 Both checks compare the engines against the *trainer's* weights, computed independently of the
 transfer: the global tensors at a step (from the trainer backend's reference copy) are laid
-out into each engine rank's parameters by the engine's own loading code, post-load derivations
-included, and hashed the way the engine's ``/weights_checker checksum`` hashes; logprobs of fixed
+out into each engine rank's parameters by the engine's own loading code and hashed the way the
+engine's ``/weights_checker checksum`` hashes (sglang's checksum: derived tensors, which are not
+sglang parameters, are not listed; they are checked by the logprobs); logprobs of fixed
 prompts come from a single-process reference forward of the same global tensors.
 """
 
@@ -31,20 +32,22 @@ PARITY_PROMPTS: tuple[str, ...] = (
 """Fixed prompts of the logprob parity check."""
 
 
-def expected_checksums(spec: ModelSpec, rollout: RolloutParallel, rank: int, read: ReadGlobal) -> dict[str, str]:
-    """Per-parameter xxh64 that rank ``rank`` of every engine must report after an update.
+def expected_checksums(spec: ModelSpec, rollout: RolloutParallel, rank: int, read: ReadGlobal, *,
+                       gpu: bool) -> dict[str, str]:
+    """The checksums rank ``rank`` of every engine must report after an update (sglang's, as the
+    engine's ``/weights_checker`` computes them).
 
     Args:
         spec: the model.
         rollout: the engine's parallel layout.
         rank: rank inside the engine.
         read: the trainer's global tensors (fp8 weights in the trainer's dtype; no scale tensors).
+        gpu: the engines hold their parameters on GPUs (sglang hashes those another way).
 
     Returns:
-        ``{param name: hex digest}`` for every parameter of the rank (derived ones included).
+        ``{param name: hex digest}`` for every parameter the engine lists.
     """
     from weightsync.engine.checker import WeightChecker
-    from weightsync.engine.loader import run_post_load
     from weightsync.sync.params import ParamStore, write_global
 
     store = ParamStore(engine_layout(spec, rollout, rank), device=torch.device("cpu"))
@@ -65,8 +68,7 @@ def expected_checksums(spec: ModelSpec, rollout: RolloutParallel, rank: int, rea
             if table[name].quant_of is not None:
                 continue  # an fp8 scale: written with its weight, which write_global quantizes
             write_global(store, spec, name, reader(name))
-        run_post_load(store, spec)
-        return dict(WeightChecker(store).checksum()["checksums"])  # type: ignore[call-overload]
+        return dict(WeightChecker(store).checksum(gpu=gpu)["checksums"])
     finally:
         store.close()
 

@@ -61,6 +61,8 @@ class Engines:
         self.clients = [u if isinstance(u, EngineClient) else EngineClient(str(u), timeout_s=timeout_s, token=token)
                         for u in urls]
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)))
+        self.server_infos: list[dict[str, Any]] | None = None
+        """Each engine's last ``/server_info`` answer (read by :meth:`rollout_parallel`)."""
 
     @property
     def urls(self) -> list[str]:
@@ -104,6 +106,7 @@ class Engines:
             ValueError: an engine's answer lacks a size, or two engines differ (named).
         """
         infos = self.each(lambda c: c.server_info(), what="/server_info")
+        self.server_infos = infos
         layouts = []
         for i, info in enumerate(infos):
             try:
@@ -145,6 +148,14 @@ class Engines:
             if warning is not None:
                 log.warning("%s: %s", self.where(0), warning)
         return found
+
+    def kinds(self) -> list[tuple[bool, bool]]:
+        """Per engine: (this project's engine rather than sglang, parameters on GPUs) -- from
+        ``/server_info``: the built-in engine adds a ``weightsync`` key; ``device`` is ServerArgs'
+        (sglang resolves an unset one to the GPU it runs on)."""
+        infos = self.server_infos or self.each(lambda c: c.server_info(), what="/server_info")
+        self.server_infos = infos
+        return [("weightsync" in i, (i.get("device") or "cuda") != "cpu") for i in infos]
 
     def transfer_infos(self, rollout: RolloutParallel, dest_layout: Callable[[int], Sequence[LocalTensor]],
                        kind: str | None = None) -> dict[int, dict[str, Any]]:

@@ -67,7 +67,8 @@ class WeightUpdater(Protocol):
     rank: int
     train: Any
     verifier: Any
-    """:class:`weightsync.sync.verify.Verifier`, None when nothing is verified."""
+    """:class:`weightsync.sync.verify.Verifier` (or, against a real sglang,
+    :class:`weightsync.sync.sglang_verify.ShareChecksum`), None when nothing is verified."""
 
     def write(self, mode: str | Mode = ..., *, targets: Mapping[int, int] | None = ...,
               fingerprint: tuple[torch.Tensor, int] | None = ...) -> dict[str, Any]: ...
@@ -110,7 +111,8 @@ def run_attempt(u: WeightUpdater, version: str, m: Mode, *, verify: bool) -> Upd
     tp = u.inputs.rollout.tp
     verifier = u.verifier if verify else None
     partials = verifier.new_partials() if verifier is not None else None
-    fingerprint = (partials, seed) if partials is not None and m is Mode.P2P else None
+    hashing = getattr(verifier, "hashes_while_writing", True)  # sglang's checksum: after the write
+    fingerprint = (partials, seed) if partials is not None and m is Mode.P2P and hashing else None
     results = _write_all(u, version, m, {g: copies[g // tp] for g in range(len(copies) * tp)}, fingerprint)
     marks["written"] = time.perf_counter()
     hash_at_end = ext and partials is not None
@@ -131,7 +133,7 @@ def run_attempt(u: WeightUpdater, version: str, m: Mode, *, verify: bool) -> Upd
         bad = _on_rank0(u, version, lambda: verifier.compare(eng, expected or {}, seed, answers=answers),
                         what="verification")
         if bad:
-            held(u, version, ["fingerprints differ: " + "; ".join(bad)])
+            held(u, version, [f"{getattr(verifier, 'what', 'fingerprints')} differ: " + "; ".join(bad)])
     verify_s = time.perf_counter() - marks.get("ended", marks["written"])  # from the end's answer on rank 0
     times, published = _on_rank0(u, version, lambda: _publish(eng, version, marks, pause_free, ext))
     return UpdateStats.from_ranks(version=version, mode=m, path=u.path(m), results=results, ends=ends, times=times,

@@ -73,6 +73,7 @@ from weightsync.sync.names import module_tensors, place_params
 from weightsync.sync.p2p_pack import fp8_blocks
 from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, P2PSender, dest_rank_from_info
 from weightsync.sync.rank_group import agree, from_rank0
+from weightsync.sync.sglang_verify import ShareChecksum, new_verifier
 from weightsync.sync.tensor_sender import TensorSender
 from weightsync.sync.update_flow import ABORT_WAIT_S, run_attempt
 from weightsync.sync.update_result import UpdateError, UpdateStats
@@ -100,6 +101,8 @@ class _Discovered:
     extensions: bool = False
     """Every engine takes this project's control extensions (:meth:`Engines.control_extensions
     <weightsync.sync.engines.Engines.control_extensions>`): fewer calls per update."""
+    engines: tuple[tuple[bool, bool], ...] = ()
+    """Per engine: (this project's engine, parameters on GPUs) -- how its checksums are computed."""
 
 
 class WeightUpdater:
@@ -161,7 +164,8 @@ class WeightUpdater:
         self.p2p_sender: P2PSender | None = None
         self._bcast: BroadcastSender | None = None
         self._tensor: TensorSender | None = None
-        self._verifier: Verifier | None = None
+        self._verifier: Verifier | ShareChecksum | None = None
+
         self._groups = BroadcastGroups(self.engines, rank=self.rank, prefix=self.config.group_prefix,
                                        master_address=self.config.master_address,
                                        timeout_s=self.config.group_timeout_s)
@@ -202,18 +206,19 @@ class WeightUpdater:
             r = rollout or self.engines.rollout_parallel(self.spec)
             block = self.engines.fp8_block(self.spec, r)
             extensions = self.engines.control_extensions()
+            kinds = tuple(self.engines.kinds())
             inputs = self._inputs(r, self.spec.replace(fp8_block=block))
             if Mode.P2P not in self.config.modes:
                 self.engines.check_tables(r, inputs.dest_layout)
                 return _Discovered(rollout=r, infos=None, kind=None, pause_reason=self._pause_reason(None, r.tp),
-                                   fp8_block=block, extensions=extensions)
+                                   fp8_block=block, extensions=extensions, engines=kinds)
             want = self.config.transport
             kind = want.kind.value if isinstance(want, TransportConfig) else None if want == "auto" else str(want)
             infos = self.engines.transfer_infos(r, inputs.dest_layout, kind)
             first = next(iter(infos.values()))
             found = str(first["descriptor"]["kind"]) if first.get("descriptor") else SGLANG_TRANSPORT
             return _Discovered(rollout=r, infos=infos, kind=found, pause_reason=self._pause_reason(infos, r.tp),
-                               fp8_block=block, extensions=extensions)
+                               fp8_block=block, extensions=extensions, engines=kinds)
 
         return from_rank0(self.pg, find)
 
@@ -261,8 +266,10 @@ class WeightUpdater:
         if verify or Mode.P2P in self.config.modes:
             ops = agree(self.pg, self._plan_share, "planning this rank's share")
         if verify:
-            self._verifier = Verifier(self.inputs, ops, self.params, rank=self.rank, pg=self.pg,
-                                      bucket_bytes=self.config.bucket_bytes)
+            self._verifier = agree(self.pg, lambda: new_verifier(found.engines, self.inputs, ops, self.params,
+                                                                  rank=self.rank, pg=self.pg,
+                                                                  bucket_bytes=self.config.bucket_bytes),
+                                   "verifier set-up")
         if Mode.P2P in self.config.modes:
             agree(self.pg, lambda: self._set_up_p2p(found, ops), "p2p set-up")
         if Mode.BROADCAST in self.config.modes:
@@ -289,7 +296,7 @@ class WeightUpdater:
                    for r in needed}
         two = any(found.infos[r].get("copies") for r in needed)
         self.transport_config = self._transport(found.kind)
-        slots = self._verifier.slots if self._verifier is not None else None
+        slots = self._verifier.slots if isinstance(self._verifier, Verifier) else None
         self.p2p_sender = P2PSender(ops, self.params, self.transport_config.make(), dests,
                                     bucket_bytes=self.config.bucket_bytes, source_regions=self._source_regions,
                                     fp8_blocks=fp8_blocks(self.inputs), fingerprint_slots=slots,
@@ -425,8 +432,9 @@ class WeightUpdater:
         self._stale = True
 
     @property
-    def verifier(self) -> Verifier | None:
-        """The fingerprint verification (None when ``verify_every`` is 0)."""
+    def verifier(self) -> Verifier | ShareChecksum | None:
+        """The verification: fingerprints, or sglang's checksums against a real sglang (None when
+        ``verify_every`` is 0)."""
         return self._verifier
 
     def write(self, mode: str | Mode = Mode.P2P, *, targets: Mapping[int, int] | None = None,
