@@ -384,6 +384,60 @@ def test_broadcast_bodies(client: TestClient, ckpts: tuple[str, str], free_port:
     assert again.json() == {"success": False, "message": "The group to be destroyed does not exist."}
 
 
+def test_update_weights_from_disk_needs_no_session(client: TestClient, ckpts: tuple[str, str]) -> None:
+    """``SGLangEngine.update_weights_from_disk`` (miles reloads frozen weights after an offload):
+    ``{"model_path", "weight_version"}`` with no session, as sglang 0.5.23 takes it
+    (``SchedulerWeightUpdaterManager.update_weights_from_disk`` needs none): paused or idle, the
+    weights become the checkpoint's, clean, at the version; after an ended, unpublished session it
+    is a roll-back (the session is dropped)."""
+    _ok(client.post("/pause_generation", json={"mode": "retract"}))
+    _load(client, ckpts[1], "2")
+    _ok(client.post("/weights_checker", json={"action": "snapshot"}))
+    _ok(client.post("/continue_generation", json={}))
+    out = _ok(client.post("/update_weights_from_disk", json={"model_path": ckpts[0], "weight_version": "3"}))
+    assert out["success"]
+    assert out["message"].endswith("Weight version updated to 3."), out
+    assert _ok(client.get("/model_info"))["weight_version"] == "3"
+    assert _ok(client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}))
+    _ok(client.post("/pause_generation", json={"mode": "retract"}))
+    _ok(client.post("/begin_weight_update", json={}))
+    _ok(client.post("/weights_checker", json={"action": "reset_tensors"}))
+    assert _ok(client.post("/end_weight_update", json={}))["state"] == "ended"
+    _ok(client.post("/update_weights_from_disk", json={"model_path": ckpts[1], "weight_version": "4"}))
+    state = client.get("/server_info").json()["internal_states"][0]
+    assert (state["state"], state["weights_dirty"], state["session_id"]) == ("paused", False, None)
+    assert _ok(client.post("/weights_checker", json={"action": "compare"}))["success"]
+    _ok(client.post("/continue_generation", json={}))
+
+
+def test_miles_offload_cycle_keeps_the_weights(client: TestClient) -> None:
+    """miles' colocated offload (``SGLangEngine.release_memory_occupation``: GET /flush_cache, then
+    ``{"tags": [...]}``; ``resume_memory_occupation`` ``{"tags": ["weights"]}``, then
+    ``["kv_cache", "cuda_graph"]``; an engine (re)start releases ``{"tags": null}``): 200 with a
+    ``null`` body (sglang's handlers return nothing), the tags reported until resumed, nothing
+    freed -- the same weights answer afterwards; an unknown tag is a 400 in sglang's error body."""
+    before = _engine_checksums(_ok(client.post("/weights_checker", json={"action": "checksum"})))
+    _ok(client.post("/pause_generation", json={"mode": "retract"}))
+    assert client.get("/flush_cache").status_code == 200
+    for path, tags, released in [
+        ("/release_memory_occupation", ["cuda_graph", "kv_cache", "weights"], ["cuda_graph", "kv_cache", "weights"]),
+        ("/resume_memory_occupation", ["weights"], ["cuda_graph", "kv_cache"]),
+        ("/resume_memory_occupation", ["kv_cache", "cuda_graph"], []),
+        ("/release_memory_occupation", None, ["cuda_graph", "kv_cache", "weights"]),
+        ("/resume_memory_occupation", None, []),
+    ]:
+        r = client.post(path, json={"tags": tags})
+        assert (r.status_code, r.json()) == (200, None), r.text
+        assert client.get("/server_info").json()["internal_states"][0]["memory_released"] == released
+    assert client.get("/release_memory_occupation").status_code == 200, "sglang serves GET too"
+    assert client.get("/resume_memory_occupation").status_code == 200
+    bad = client.post("/release_memory_occupation", json={"tags": ["kv"]})
+    assert bad.status_code == 400
+    assert "unknown memory tags ['kv']" in bad.json()["error"]["message"]
+    _ok(client.post("/continue_generation", json={}))
+    assert _engine_checksums(_ok(client.post("/weights_checker", json={"action": "checksum"}))) == before
+
+
 @dataclass
 class _FlattenedTensorMetadata:
     """Stands in for sglang's record when pickling: same fields, same module path (below)."""

@@ -74,6 +74,8 @@ SGLANG_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "/weights_checker": ("CheckWeightsReqInput", (
         "rid", "http_worker_ipc", "action", "allow_quant_error", "skip_tensor_list", "selector",
     )),
+    "/release_memory_occupation": ("ReleaseMemoryOccupationReqInput", ("rid", "http_worker_ipc", "tags")),
+    "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", ("rid", "http_worker_ipc", "tags")),
 }
 
 

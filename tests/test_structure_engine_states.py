@@ -142,9 +142,25 @@ CALLS: dict[Event, Callable[[UpdateSessions], Any]] = {
     Event.JOINED: lambda s: s.finish_join("v9"),
     Event.JOIN_FAILED: lambda s: s.fail_join("every peer failed (injected)"),
     Event.DONATE: lambda s: s.begin_donation(),
+    Event.LOAD: lambda s: s.update_from_disk(CHECKPOINT[0]),
+    Event.RELEASE: lambda s: s.release_memory(["weights"]),
+    Event.RESUME: lambda s: s.resume_memory(None),
 }
 LOCKED = (Event.GENERATE, Event.FOREIGN_WRITE)
 """Events whose call expects the caller to hold the lock."""
+CHECKPOINT: list[str] = []
+"""A tiny checkpoint of the fake driver's model (the disk load validates it before the rows apply)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    from tests.engine_helpers import write_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("ckpt")
+    write_tiny_checkpoint("Qwen3-4B", path)
+    CHECKPOINT.append(str(path))
+    yield
+    CHECKPOINT.clear()
 
 
 FAILED_BEGINS = {State.PAUSED: (State.UPDATING, lambda s: s.begin()),

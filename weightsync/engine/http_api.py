@@ -70,6 +70,8 @@ from weightsync.engine.io_struct import (
     FlushCacheReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
@@ -120,8 +122,12 @@ ROUTES = (
     "/mark_stale",
     "/join_from_peer",
     "/donate_weights",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
 )
 """Every route the app serves (pinned by a surface test)."""
+ERROR_BODY_ROUTES = ("/generate", "/release_memory_occupation", "/resume_memory_occupation")
+"""Routes whose refusals are ``{"error": {"message"}}`` (the others: ``{"success": false, "message"}``)."""
 OPEN_ROUTES = ("/health",)
 """Routes answered without the token (liveness probes)."""
 SESSION_HEADER = "x-weightsync-session"
@@ -300,8 +306,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
         return JSONResponse({"success": False, "message": message}, status_code=status)
 
     def refusal(request: Request, status: int, message: str) -> JSONResponse:
-        """The error body of ``request``'s route: ``/generate``'s, or the control routes'."""
-        if request.url.path == "/generate":
+        """The error body of ``request``'s route: ``/generate``'s and the memory routes' (sglang's
+        ``_create_error_response``), or the control routes'."""
+        if request.url.path in ERROR_BODY_ROUTES:
             return JSONResponse({"error": {"message": message}}, status_code=status)
         return control(status, message)
 
@@ -545,6 +552,18 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def update_disk(request: Request) -> dict[str, Any]:
         body = await body_of(request, UpdateWeightFromDiskReqInput)
         return await run(sessions.update_from_disk, body.model_path, body.weight_version, session_of(request))
+
+    @app.get("/release_memory_occupation")
+    @app.post("/release_memory_occupation")
+    async def release_memory(request: Request) -> None:
+        body = await body_of(request, ReleaseMemoryOccupationReqInput)
+        await run(sessions.release_memory, body.tags)  # sglang answers 200 with a null body
+
+    @app.get("/resume_memory_occupation")
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(request: Request) -> None:
+        body = await body_of(request, ResumeMemoryOccupationReqInput)
+        await run(sessions.resume_memory, body.tags)
 
     @app.get("/weights_checker")
     @app.post("/weights_checker")

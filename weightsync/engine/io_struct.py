@@ -198,6 +198,22 @@ class UpdateWeightFromDiskReqInput(_ControlBody):
     }
 
 
+_KEPT = ("the memory stays allocated (registered with the senders) and keeps the weights; no KV cache or CUDA "
+         "graph outlives a batch")
+
+
+class ReleaseMemoryOccupationReqInput(_ControlBody):
+    tags: list[str] | None = None
+
+    NOTES: ClassVar[NoteTable] = {**_ControlBody.NOTES, "tags": (Effect.NO_EFFECT, _KEPT + " (tags checked, recorded)")}
+
+
+class ResumeMemoryOccupationReqInput(_ControlBody):
+    tags: list[str] | None = None
+
+    NOTES: ClassVar[NoteTable] = {**_ControlBody.NOTES, "tags": (Effect.NO_EFFECT, _KEPT + " (tags checked, cleared)")}
+
+
 class CheckWeightsReqInput(_ControlBody):
     action: Literal["snapshot", "reset_tensors", "compare", "checksum", "fingerprint"] = "checksum"
     """sglang's actions, and ``fingerprint`` (an extension: the seeded fingerprint of every
@@ -236,5 +252,7 @@ BODIES: dict[str, type[RequestBody]] = {
     "/abort_weight_update": AbortWeightUpdateReqInput,
     "/update_weights_from_disk": UpdateWeightFromDiskReqInput,
     "/weights_checker": CheckWeightsReqInput,
+    "/release_memory_occupation": ReleaseMemoryOccupationReqInput,
+    "/resume_memory_occupation": ResumeMemoryOccupationReqInput,
 }
 """Every request body, by endpoint (docs/engine.md tabulates them)."""

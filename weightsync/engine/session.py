@@ -55,6 +55,22 @@ DEFAULT_GROUP_TIMEOUT_S = 600.0
 GROUP_POLL_S = 0.05
 
 
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""sglang's ``srt/constants.py`` ``GPU_MEMORY_ALL_TYPES``."""
+
+
+def _memory_tags(tags: list[str] | None) -> list[str]:
+    """The tags of a memory call (sglang: None or [] means all).
+
+    Raises:
+        ValueError: a tag sglang does not have.
+    """
+    unknown = sorted(set(tags or ()) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}: sglang's are {', '.join(MEMORY_TAGS)}")
+    return list(tags) if tags else list(MEMORY_TAGS)
+
+
 class GroupError(RuntimeError):
     """Joining a weight-update group failed (HTTP 400 with sglang's message)."""
 
@@ -127,6 +143,8 @@ class UpdateSessions(FleetSessions):
         self._flipping = 0
         self._groups: set[str] = set()
         self._joining: set[str] = set()
+        self.released: set[str] = set()
+        """Memory tags released (``release_memory_occupation``) and not resumed; nothing is freed."""
         scheduler.attach(self)
 
     # ------------------------------------------------------------------ the table
@@ -486,18 +504,72 @@ class UpdateSessions(FleetSessions):
 
     def update_from_disk(self, path: str, weight_version: str | None = None,
                          session_id: str | None = None) -> dict[str, Any]:
-        """``/update_weights_from_disk``: reload every tensor from an HF checkpoint (validated first)."""
+        """``/update_weights_from_disk``: reload every tensor from an HF checkpoint (validated
+        first) -- inside a session as one of its writes, outside one (sglang 0.5.23 needs none) as
+        a whole update of its own: loaded, post-load run, clean at the checkpoint (the ``update_
+        weights_from_disk`` rows).
+
+        Raises:
+            Conflict: serving with generation in progress (pause first).
+        """
+        what = "update_weights_from_disk"
         with self.lock:
-            self._require_session("update_weights_from_disk", session_id)
+            self._check_session(session_id)
+            self._decide(Event.LOAD, what)
         with HFCheckpoint(path) as ckpt:
             validate_checkpoint(self.spec, ckpt)
-        return self._run_update(
-            "update_weights_from_disk",
-            lambda: self.driver.run(Op.UPDATE_FROM_DISK, path=path),
-            weight_version,
-            "Succeeded to update model weights.",
-            session_id,
-        )
+        message = "Succeeded to update model weights."
+        with self.lock:
+            rule = self._decide(Event.LOAD, what)
+            in_session = self.state in (State.UPDATING, State.SHADOW_UPDATING)
+            dropped = not in_session and self.session is not None
+            if not in_session:
+                self.session = None  # an ended, unpublished session is dropped (the rows of the other states)
+                self._enter(rule)
+        if in_session:
+            return self._run_update(what, lambda: self.driver.run(Op.UPDATE_FROM_DISK, path=path), weight_version,
+                                    message, session_id)
+        try:
+            if dropped:  # its copy closes unpublished; the load goes into the served one
+                self.scheduler.call(lambda: self.driver.run(Op.ABORT_UPDATE), what)
+            per_rank = self.scheduler.call(lambda: self.driver.run(Op.LOAD_CHECKPOINT, path=path), what)
+            self.scheduler.call(lambda: self.driver.run(Op.POST_LOAD), what)
+        except BaseException:
+            with self.lock:
+                self.dirty = True  # partly loaded
+                self._fail_queued_if_refused()
+            raise
+        with self.lock:
+            self.dirty = False
+            if weight_version is not None:
+                self.weight_version = weight_version
+                message += f" Weight version updated to {weight_version}."
+            self.lock.notify_all()
+        return {"success": True, "message": message, "per_rank": per_rank, "num_paused_requests": 0}
+
+    def release_memory(self, tags: list[str] | None) -> None:
+        """``/release_memory_occupation`` (the ``release_memory_occupation`` rows): nothing is
+        freed; the tags (all when None or empty) are recorded.
+
+        Raises:
+            NotIdle: generation in progress (sglang's assertion, its message).
+            ValueError: a tag sglang does not have.
+        """
+        tags = _memory_tags(tags)
+        with self.lock:
+            self._decide(Event.RELEASE)
+            self.released |= set(tags)
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        """``/resume_memory_occupation``: the tags (all when None or empty) are cleared.
+
+        Raises:
+            ValueError: a tag sglang does not have.
+        """
+        tags = _memory_tags(tags)
+        with self.lock:
+            self._decide(Event.RESUME)
+            self.released -= set(tags)
 
     def init_group(self, **kwargs: Any) -> dict[str, Any]:
         """``/init_weights_update_group``: every rank joins in the background (the engine generates
@@ -600,6 +672,7 @@ class UpdateSessions(FleetSessions):
                 "shadow": self.shadow,
                 "reason": self.reason() or None,
                 "fleet_weight_version": self.fleet_version,
+                "memory_released": sorted(self.released),
                 **self.scheduler.status(),
             }
 

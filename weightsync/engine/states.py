@@ -43,6 +43,13 @@ class OutsideSession(ValueError):
     http_status: ClassVar[int] = 400
 
 
+class NotIdle(ValueError):
+    """``release_memory_occupation`` while generating (HTTP 400 with sglang's message: sglang
+    asserts the server is idle, paused waiting requests aside)."""
+
+    http_status: ClassVar[int] = 400
+
+
 class State(enum.StrEnum):
     SERVING = "serving"
     PAUSED = "paused"
@@ -71,7 +78,10 @@ class Event(enum.StrEnum):
     """``begin_weight_update`` with ``pause_free`` (an extension)."""
     BEGIN_FAILED = "begin fails on a rank"
     WRITE = "update_weights_from_*"
-    """``update_weights_from_distributed``, ``_tensor``, ``_disk``."""
+    """``update_weights_from_distributed``, ``_tensor``."""
+    LOAD = "update_weights_from_disk"
+    RELEASE = "release_memory_occupation"
+    RESUME = "resume_memory_occupation"
     RESET = "weights_checker reset_tensors"
     END = "end_weight_update"
     VERSION = "update_weight_version"
@@ -234,6 +244,25 @@ TRANSITIONS: tuple[Rule, ...] = (
          "it, or pause first"),
     Rule((J,), Event.RESET, None, refuse=Conflict, why=JOINING_WHY),
     Rule((T,), Event.RESET, None, note="dirty; still stale"),
+    Rule((J,), Event.LOAD, None, refuse=Conflict, why=JOINING_WHY),
+    Rule((T,), Event.LOAD, None, refuse=Conflict, why=STALE_WHY,
+         note="a checkpoint is not the fleet's version"),
+    Rule((U, SU), Event.LOAD, None, note="as any write of the session, into its copy (the call's weight_version is "
+                                          "the one end publishes)"),
+    Rule((S, SE), Event.LOAD, None, When.GENERATING, Conflict, "update_weights_from_disk while generation is in "
+         "progress" + PAUSE_FIRST, note="sglang waits for the running requests instead; this engine does not change "
+                                        "weights under them"),
+    Rule((S, P), Event.LOAD, None, note="no session needed (sglang 0.5.23's rule): every tensor loaded into the "
+                                        "served copy and post-load run between batches; clean at the checkpoint, the "
+                                        "call's weight_version published; a failed load leaves the weights dirty"),
+    Rule((E,), Event.LOAD, P, note="the unpublished session is dropped (a roll-back), then as above"),
+    Rule((SE,), Event.LOAD, S, note="the unpublished pause-free session is dropped, then as above"),
+    Rule((S, P, U, E, SU, SE), Event.RELEASE, None, When.GENERATING, NotIdle,
+         "release_memory_occupation should be called only when server is idle.", note="sglang asserts the same"),
+    Rule((S, P, U, E, SU, SE, J, T), Event.RELEASE, None, note="nothing is freed: the parameters keep their memory, "
+                                                         "registered with the senders, and their values; no KV cache "
+                                                         "or CUDA graph outlives a batch; the tags are recorded"),
+    Rule((S, P, U, E, SU, SE, J, T), Event.RESUME, None, note="the tags are cleared; nothing to restore"),
     Rule((E,), Event.RESET, None, refuse=Conflict,
          why="the weight update ended and awaits its holder's verification and publication: a reset now would have it "
              "publish weights it did not write; call /abort_weight_update first",

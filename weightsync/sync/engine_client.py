@@ -151,7 +151,7 @@ class EngineClient:
 
     def engine_state(self) -> dict[str, Any]:
         """The built-in engine's ``{"state", "weights_dirty", "weight_version", "session_id",
-        "pending_weight_version", "num_queued", "batch_running", "fault"}`` (``/server_info``'s
+        "pending_weight_version", "memory_released", "num_queued", "batch_running", "fault"}`` (``/server_info``'s
         ``internal_states``; a real sglang server answers other keys)."""
         states = self.server_info().get("internal_states") or [{}]
         return dict(states[0])
