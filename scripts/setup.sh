@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up this checkout on a fresh machine: system packages (the libraries Mooncake needs, iproute2),
 # a virtual environment in .venv at the repo root, CPU torch, then weightsync (editable) with its test
-# tools.
+# tools; where nvidia-smi lists a GPU, Mooncake's CUDA build in place of the non-CUDA one.
 # Idempotent: every step checks first and does nothing when already done.
 #
 #   bash scripts/setup.sh
@@ -154,11 +154,34 @@ sys.exit(not weightsync.__file__.startswith(sys.argv[1]))' "$ROOT/" 2>/dev/null;
     echo "$want" >"$stamp"
 }
 
+# --- 5. on a GPU machine: Mooncake's CUDA build (GPU memory registration), in place of the non-CUDA one ---
+MOONCAKE_CUDA="mooncake-transfer-engine-cuda13==0.3.14"
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+install_mooncake_cuda() {
+    if ! has_gpu; then
+        log "mooncake: the non-CUDA build (no GPU: nvidia-smi absent or lists none)"
+        return
+    fi
+    local cuda non
+    cuda="$(dist_version mooncake-transfer-engine-cuda13)"
+    non="$(dist_version mooncake-transfer-engine-non-cuda)"
+    if [[ "$cuda" == "${MOONCAKE_CUDA##*==}" && -z "$non" ]]; then
+        log "mooncake: CUDA build $cuda present"
+        return
+    fi
+    # both builds install the package `mooncake`: remove both, then install the CUDA one alone
+    log "mooncake: a GPU is present: installing $MOONCAKE_CUDA in place of the non-CUDA build (needs CUDA 13's runtime)"
+    quiet "$VPY" -m pip uninstall -y mooncake-transfer-engine-non-cuda mooncake-transfer-engine-cuda13
+    with_progress mooncake "$VPY" -m pip install --disable-pip-version-check --no-input --progress-bar off "$MOONCAKE_CUDA"
+}
+
 check_imports() {
     quiet "$VPY" -c 'import weightsync, torch, mooncake.engine, fastapi, safetensors, xxhash, ray'
     log "ready: $("$VPY" -c 'import importlib.metadata as m, platform
-print(f"Python {platform.python_version()}, " + ", ".join(f"{d} {m.version(d)}" for d in
-      ("torch", "megatron-core", "mooncake-transfer-engine-non-cuda", "ray")))')"
+have = {d.metadata["Name"]: d.version for d in m.distributions()}
+names = ("torch", "megatron-core", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13", "ray")
+print(f"Python {platform.python_version()}, " + ", ".join(f"{d} {have[d]}" for d in names if d in have))')"
 }
 
 main() {
@@ -168,6 +191,7 @@ main() {
     make_venv
     install_torch
     install_project
+    install_mooncake_cuda
     check_imports
     rm -f "$LOG"
     log "done in $((SECONDS - START)) s; use $VENV/bin/python (or: source .venv/bin/activate)"

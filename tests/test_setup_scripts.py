@@ -69,3 +69,39 @@ echo "not reached"
     assert "not reached" not in proc.stdout
     assert "ERROR: command failed: failing_pip" in proc.stderr
     assert "No matching distribution found for nothing-such" in proc.stderr
+
+
+def test_setup_installs_mooncakes_cuda_build_where_a_gpu_is(repo_root, tmp_path):
+    """Where ``nvidia-smi`` lists a GPU, ``scripts/setup.sh`` replaces the non-CUDA Mooncake (the
+    CPU set-up's, which cannot register GPU memory) with ``mooncake-transfer-engine-cuda13`` --
+    both builds install the package ``mooncake``, so both are removed first -- once; without a GPU
+    it leaves the non-CUDA build. (pip and the interpreter are fakes that record their calls.)"""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200'\n")
+    (bin_dir / "fakepy").write_text(f"""#!/bin/sh
+if [ "$1" = "-m" ]; then echo "$*" >>"{tmp_path}/calls"; exit 0; fi
+grep "^$3=" "{tmp_path}/versions" | cut -d= -f2
+""")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    script = f"""
+source "{repo_root}/scripts/setup.sh"
+LOG="{tmp_path}/setup.log"; : >"$LOG"; : >"{tmp_path}/calls"
+VPY="{bin_dir}/fakepy"
+echo "mooncake-transfer-engine-non-cuda=0.3.13.post1" >"{tmp_path}/versions"
+PATH="/usr/bin:/bin" install_mooncake_cuda
+PATH="{bin_dir}:$PATH" install_mooncake_cuda
+echo "mooncake-transfer-engine-cuda13=0.3.14" >"{tmp_path}/versions"
+PATH="{bin_dir}:$PATH" install_mooncake_cuda
+"""
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line.split("] ", 1)[1] for line in proc.stdout.splitlines() if "mooncake" in line]
+    assert said[0].startswith("mooncake: the non-CUDA build (no GPU"), said
+    assert said[1].startswith("mooncake: a GPU is present: installing mooncake-transfer-engine-cuda13==0.3.14"), said
+    assert said[-1] == "mooncake: CUDA build 0.3.14 present", said
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls == ["-m pip uninstall -y mooncake-transfer-engine-non-cuda mooncake-transfer-engine-cuda13",
+                     "-m pip install --disable-pip-version-check --no-input --progress-bar off "
+                     "mooncake-transfer-engine-cuda13==0.3.14"], calls

@@ -84,7 +84,7 @@ def test_forced_and_unknown_kinds() -> None:
         pytest.param(TransportConfig(kind="local"), {"device": HOST, "num_threads": 1}, id="local-host"),
         pytest.param(TransportConfig(kind="local", cuda_device=1), {"device": 1, "num_threads": 1}, id="local-gpu"),
         pytest.param(TransportConfig(kind="mooncake", mooncake_hostname="10.0.0.2"),
-                     {"protocol": "tcp", "device": "", "hostname": "10.0.0.2"}, id="mooncake"),
+                     {"protocol": "auto", "device": "", "hostname": "10.0.0.2"}, id="mooncake"),
     ],
 )
 def test_backend_options_per_kind(cfg, options) -> None:

@@ -175,3 +175,113 @@ def test_real_write_into_a_stopped_receiver_times_out_and_close_returns() -> Non
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+# -- the protocol --------------------------------------------------------------------------------
+
+
+def _ports(root: Any, states: dict[str, str]) -> Any:
+    """A fake ``/sys/class/infiniband``: ``{"mlx5_0:1": "4: ACTIVE", ...}``."""
+    for where, state in states.items():
+        dev, port = where.split(":")
+        d = root / dev / "ports" / port
+        d.mkdir(parents=True)
+        (d / "state").write_text(state + "\n")
+    return root
+
+
+PROTOCOL_CASES = [
+    # (asked, device filter, ports, MC_FORCE_TCP, chosen, said)
+    ("auto", "", {}, "", "tcp", "no RDMA port is ACTIVE"),
+    ("auto", "", {"mlx5_0:1": "1: DOWN"}, "", "tcp", "no RDMA port is ACTIVE"),
+    ("auto", "", {"mlx5_0:1": "1: DOWN", "mlx5_1:1": "4: ACTIVE"}, "", "rdma", "mlx5_1:1 active"),
+    ("auto", "mlx5_0", {"mlx5_1:1": "4: ACTIVE"}, "", "tcp", "(devices mlx5_0)"),
+    ("auto", "", {"mlx5_0:1": "4: ACTIVE"}, "1", "tcp", "MC_FORCE_TCP is set"),
+    ("rdma", "", {}, "", "tcp", "rdma asked for, but no RDMA port is ACTIVE"),
+    ("rdma", "mlx5_0,mlx5_1", {"mlx5_1:1": "4: ACTIVE"}, "", "rdma", "mlx5_1:1 active"),
+    ("tcp", "", {"mlx5_0:1": "4: ACTIVE"}, "", "tcp", "tcp asked for"),
+]
+
+
+@pytest.mark.parametrize(("asked", "device", "ports", "force", "chosen", "said"), PROTOCOL_CASES)
+def test_the_protocol_is_mooncakes_own_choice(tmp_path: Any, asked: str, device: str, ports: dict[str, str],
+                                              force: str, chosen: str, said: str) -> None:
+    """Mooncake runs RDMA iff a port of its device filter is ACTIVE, TCP under ``MC_FORCE_TCP``
+    (``transfer_engine_impl.cpp``, ``topology.cpp``): ``auto`` says which, in one line."""
+    from weightsync.transport.mooncake import choose_protocol
+
+    got, why = choose_protocol(asked, device, environ={"MC_FORCE_TCP": force}, root=_ports(tmp_path / "ib", ports))
+    assert got == chosen
+    assert said in why
+    assert "\n" not in why
+
+
+def test_an_unknown_protocol_is_refused() -> None:
+    from weightsync.transport.config import TransportConfig
+    from weightsync.transport.mooncake import choose_protocol
+
+    with pytest.raises(ValueError, match="choose one of auto, tcp, rdma"):
+        choose_protocol("efa")
+    with pytest.raises(ValueError, match="mooncake_protocol must be auto, tcp or rdma"):
+        TransportConfig(kind="mooncake", mooncake_protocol="roce")
+
+
+def test_the_engine_is_initialized_with_the_chosen_protocol(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    from weightsync.transport import mooncake as mod
+
+    seen: list[tuple[Any, ...]] = []
+
+    class Recording(FakeEngine):
+        def initialize(self, *args: Any) -> int:
+            seen.append(args)
+            return 0
+
+    monkeypatch.setattr(mod, "IB_SYSFS", mod.Path("/nonexistent/infiniband"))  # a host without RDMA
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    mod._say.cache_clear()
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            t = MooncakeTransport(engine_factory=Recording(), protocol="auto", hostname="127.0.0.1")
+            assert t.protocol == "tcp"
+            t.close()
+    assert [a[2] for a in seen] == ["tcp", "tcp"]
+    said = [r.getMessage() for r in caplog.records if "no RDMA port is ACTIVE" in r.getMessage()]
+    assert len(said) == 1, "said once per process"
+
+
+def test_gpu_memory_needs_mooncakes_cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The non-CUDA build cannot register GPU memory: refused before Mooncake is asked, naming
+    the build to install; a CUDA build serves it."""
+    from weightsync.transport import mooncake as mod
+
+    t = MooncakeTransport(engine_factory=FakeEngine(), protocol="tcp", hostname="127.0.0.1")
+    try:
+        monkeypatch.setattr(mod, "mooncake_build", lambda: "mooncake-transfer-engine-non-cuda")
+        assert not MooncakeTransport.serves("cuda")
+        with pytest.raises(ValueError, match=r"on cuda:0 \(the installed Mooncake is mooncake-transfer-engine-non-cuda"
+                                             r"; GPU memory needs mooncake-transfer-engine-cuda13==0.3.14"):
+            t.register("params", 1 << 20, 4096, device=0)
+        monkeypatch.setattr(mod, "mooncake_build", lambda: "mooncake-transfer-engine-cuda13")
+        assert MooncakeTransport.serves("cuda")
+        assert t.register("params", 1 << 20, 4096, device=0).device == 0
+    finally:
+        t.close()
+
+
+@pytest.mark.skipif(not mooncake_available(), reason="mooncake.engine is not importable")
+@pytest.mark.timeout(180)
+def test_the_gpu_check_script_writes_and_verifies(repo_root: Any, tmp_path: Any) -> None:
+    """scripts/gpu_mooncake_check.py (the GPU machine's check), run on host memory: two processes,
+    every byte written and compared, the protocol chosen and said, JSON out."""
+    out = tmp_path / "mc.json"
+    proc = subprocess.run([sys.executable, str(repo_root / "scripts" / "gpu_mooncake_check.py"), "--device", "cpu",
+                           "--size-mb", "2", "--iters", "2", "--timeout-s", "120", "--out", str(out)],
+                          capture_output=True, text=True, timeout=170, check=False)
+    report = json.loads(out.read_text())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["ok"] is True
+    assert report["bytes_equal"] is True
+    assert report["protocol"] in ("tcp", "rdma")
+    assert report["reason"]
+    assert len(report["seconds"]) == 2

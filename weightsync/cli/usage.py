@@ -30,7 +30,7 @@ ENVIRONMENT: dict[str, str] = {
     "SKIP_VALIDATION": "1: skip check-weight-update-equal at the first update (engines start from dummy weights)",
     "BUCKET_SIZE_GB": "bucket size in GiB of the broadcast and of p2p staging (default 1)",
     "MILES_LOG_DIR": "logs, results.json and the plot (default logs/<model>_<mode>_<time>)",
-    "MOONCAKE_PROTOCOL": "Mooncake's protocol, tcp (default) or rdma",
+    "MOONCAKE_PROTOCOL": "Mooncake's protocol: auto (default: rdma where an RDMA port is active), tcp or rdma",
     "MOONCAKE_DEVICE": "Mooncake's RDMA device, e.g. mlx5_0",
     "WEIGHTSYNC_NODE_TIMEOUT_S": "multi-node: how long the head waits for the nodes to join (default 300)",
     "WEIGHTSYNC_RAY_PORT": "multi-node: the Ray head's port, the same on every node (default 6379)",

@@ -117,6 +117,11 @@ class Transport(abc.ABC):
         return cls.supports_host_memory if device_type == "cpu" else cls.supports_device_memory
 
     @classmethod
+    def device_memory_hint(cls) -> str:
+        """What to install for device memory where the backend could serve it (appended to the refusal)."""
+        return ""
+
+    @classmethod
     def remove_leftovers(cls, pids: set[int] | None = None) -> list[str]:
         """Remove what registrations of processes that are gone left on this host (shm: segments in
         ``/dev/shm``, which outlive a process killed before it closed its transport).
@@ -181,10 +186,11 @@ class Transport(abc.ABC):
         self._check_open()
         if any(r.name == name for r in self._local):
             raise ValueError(f"region {name!r} is already registered; register each region once")
-        if device == HOST and not self.supports_host_memory:
+        if device == HOST and not self.serves("cpu"):
             raise ValueError(f"{self.kind} transport moves device memory only; region {name!r} is host memory")
-        if device != HOST and not self.supports_device_memory:
-            raise ValueError(f"{self.kind} transport moves host memory only; region {name!r} is on cuda:{device}")
+        if device != HOST and not self.serves("cuda"):
+            raise ValueError(f"{self.kind} transport moves host memory only here; region {name!r} is on "
+                             f"cuda:{device}{self.device_memory_hint()}")
         region = self._register(Region(name=name, addr=addr, nbytes=nbytes, device=device))
         table = RegionTable([*self._local, region])  # raises on overlap before any state changes
         self._local.append(region)

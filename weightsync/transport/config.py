@@ -35,7 +35,7 @@ from weightsync.transport.registry import KindChoices, TransportKind, make_trans
 if TYPE_CHECKING:  # the backends are imported when a record is opened, not with it
     from weightsync.transport.base import Transport
 
-DEFAULT_MOONCAKE_PROTOCOL = "tcp"
+DEFAULT_MOONCAKE_PROTOCOL = "auto"
 NONE = "none"
 """The ``--transport`` of an engine without a p2p transport (broadcast only)."""
 
@@ -52,8 +52,10 @@ class TransportConfig:
     shm_threads: int = 1
     """``shm`` and host-memory ``local``: copy threads per writer."""
     mooncake_protocol: str = field(default=DEFAULT_MOONCAKE_PROTOCOL, metadata={
-        "env": "MOONCAKE_PROTOCOL", "flag": "with --transport mooncake: tcp | rdma (default: tcp)"})
-    """``mooncake``: ``tcp`` or ``rdma`` (``MOONCAKE_PROTOCOL``)."""
+        "env": "MOONCAKE_PROTOCOL",
+        "flag": "with --transport mooncake: auto | tcp | rdma (default auto: rdma where an RDMA port is active)"})
+    """``mooncake``: ``auto`` (rdma where an RDMA port is active, else tcp), ``tcp`` or ``rdma``
+    (``MOONCAKE_PROTOCOL``; the choice: :func:`weightsync.transport.mooncake.choose_protocol`)."""
     mooncake_device: str = field(default="", metadata={
         "env": "MOONCAKE_DEVICE", "flag": "with --transport mooncake rdma: e.g. mlx5_0"})
     """``mooncake`` ``rdma``: the RDMA device(s), e.g. ``mlx5_0`` (``MOONCAKE_DEVICE``)."""
@@ -71,8 +73,8 @@ class TransportConfig:
             raise ValueError(f"cuda_device must be a CUDA device ordinal >= 0 or None, got {self.cuda_device}")
         if self.shm_threads < 1:
             raise ValueError(f"shm_threads must be >= 1, got {self.shm_threads}")
-        if not self.mooncake_protocol:
-            raise ValueError("mooncake_protocol must be non-empty (tcp or rdma)")
+        if self.mooncake_protocol not in ("auto", "tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol must be auto, tcp or rdma, got {self.mooncake_protocol!r}")
 
     @classmethod
     def resolve(

@@ -19,10 +19,18 @@ still in flight (none for one that already timed out), then returns; memory that
 batch may still read stays registered (and its engine alive) rather than being unregistered
 under it, and the worker thread is a daemon, so neither ``close()`` nor interpreter exit hangs.
 
-Protocol (``tcp``, ``rdma``, ...) and device (an RDMA NIC name such as ``mlx5_0``, or empty) are
-constructor arguments (:class:`~weightsync.transport.config.TransportConfig` carries them; the
-launcher fills them from ``MOONCAKE_PROTOCOL`` and ``MOONCAKE_DEVICE``). The Mooncake package is
-imported lazily: importing this module works without it (see :func:`mooncake_available`).
+Protocol (``auto``, ``tcp``, ``rdma``) and device (an RDMA NIC name such as ``mlx5_0``, or empty)
+are constructor arguments (:class:`~weightsync.transport.config.TransportConfig` carries them; the
+launcher fills them from ``MOONCAKE_PROTOCOL`` and ``MOONCAKE_DEVICE``). The choice is made here
+alone (:func:`choose_protocol`), as Mooncake itself makes it -- Mooncake's python ``initialize``
+does not pick the transport from the protocol string: it runs RDMA when an ibverbs device of the
+device filter has a port in state ``ACTIVE``, else TCP, and TCP whenever ``MC_FORCE_TCP`` is set
+(Mooncake ``transfer_engine_impl.cpp``, ``topology.cpp``). ``auto`` (the default) is therefore
+``rdma`` where such a port exists and ``tcp`` otherwise, said once in one loud line; an ``rdma``
+asked for where none exists is said to run over TCP. The Mooncake package is imported lazily:
+importing this module works without it (see :func:`mooncake_available`). GPU memory needs
+Mooncake's CUDA build (``mooncake-transfer-engine-cuda13`` on the GPU set-up); the CPU set-up
+installs the non-CUDA one.
 
 Listeners: Mooncake binds its RPC (handshake) and TCP data ports to every interface in P2P mode
 whatever ``hostname`` says; right after ``initialize`` they are confined to the interface that
@@ -37,14 +45,17 @@ CPU traffic belongs on shm; this is for other hosts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from weightsync.transport.base import Transport
@@ -55,7 +66,61 @@ from weightsync.transport.records import Region
 log = logging.getLogger(__name__)
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
-DEFAULT_PROTOCOL = "tcp"
+DEFAULT_PROTOCOL = "auto"
+PROTOCOLS = ("auto", "tcp", "rdma")
+IB_SYSFS = Path("/sys/class/infiniband")
+FORCE_TCP_ENV = "MC_FORCE_TCP"
+"""Mooncake's own variable (read by Mooncake from the process environment): TCP whatever else."""
+
+
+def active_rdma_ports(device: str = "", root: Path | None = None) -> list[str]:
+    """``device:port`` of every RDMA port in state ACTIVE (``/sys/class/infiniband/*/ports/*/state``,
+    or under ``root``), among the comma-separated ``device`` names when given (Mooncake's filter)."""
+    wanted = {d.strip() for d in device.split(",") if d.strip()}
+    out = []
+    for state in sorted((root or IB_SYSFS).glob("*/ports/*/state")):
+        dev, port = state.parts[-4], state.parts[-2]
+        if wanted and dev not in wanted:
+            continue
+        with contextlib.suppress(OSError):
+            if "ACTIVE" in state.read_text():
+                out.append(f"{dev}:{port}")
+    return out
+
+
+def choose_protocol(requested: str, device: str = "", *, environ: Mapping[str, str] | None = None,
+                    root: Path | None = None) -> tuple[str, str]:
+    """The protocol Mooncake will run and why, for ``requested`` (module docstring).
+
+    Returns:
+        ``(protocol, reason)``: ``rdma`` or ``tcp``, and one line saying why.
+
+    Raises:
+        ValueError: ``requested`` is none of :data:`PROTOCOLS`.
+    """
+    if requested not in PROTOCOLS:
+        raise ValueError(f"Mooncake protocol {requested!r}: choose one of {', '.join(PROTOCOLS)}")
+    env = os.environ if environ is None else environ
+    if env.get(FORCE_TCP_ENV, "").strip() not in ("", "0"):
+        return "tcp", f"{FORCE_TCP_ENV} is set: Mooncake uses tcp"
+    if requested == "tcp":
+        return "tcp", "tcp asked for"
+    ports = active_rdma_ports(device, root)
+    where = f"{root or IB_SYSFS}" + (f" (devices {device})" if device else "")
+    if ports:
+        return "rdma", f"RDMA port(s) {', '.join(ports)} active"
+    if requested == "rdma":
+        return "tcp", f"rdma asked for, but no RDMA port is ACTIVE under {where}: Mooncake runs over TCP"
+    return "tcp", f"no RDMA port is ACTIVE under {where}: Mooncake uses tcp (slow between hosts; check the NICs)"
+
+
+@functools.cache
+def _say(protocol: str, reason: str) -> None:
+    """Say the choice once per process: loudly when it is TCP for want of RDMA."""
+    if protocol == "tcp" and ("no RDMA" in reason or "asked for, but" in reason):
+        log.warning("Mooncake protocol: %s", reason)
+    else:
+        log.info("Mooncake protocol %s: %s", protocol, reason)
 
 
 @functools.cache
@@ -68,11 +133,29 @@ def mooncake_available() -> bool:
     return True
 
 
+CUDA_BUILDS = ("mooncake-transfer-engine-cuda13", "mooncake-transfer-engine")
+"""Mooncake's distributions whose engine registers GPU memory (CUDA 13, and PyPI's default CUDA 12
+build); ``mooncake-transfer-engine-non-cuda`` does not."""
+
+
+@functools.cache
+def mooncake_build() -> str | None:
+    """The installed Mooncake distribution (one of :data:`CUDA_BUILDS` or the non-CUDA one), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in (*CUDA_BUILDS, "mooncake-transfer-engine-non-cuda"):
+        with contextlib.suppress(PackageNotFoundError):
+            version(name)
+            return name
+    return None
+
+
 def _engine_class() -> Any:
     if not mooncake_available():
         raise RuntimeError(
             "mooncake transport needs the Mooncake TransferEngine: pip install "
-            "mooncake-transfer-engine-non-cuda (needs the Debian packages libibverbs1 librdmacm1 ibverbs-providers)"
+            "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine-cuda13 (GPU) (both need the Debian "
+            "packages libibverbs1 librdmacm1 ibverbs-providers libnuma1 libcurl4)"
         )
     from mooncake.engine import TransferEngine
 
@@ -99,6 +182,16 @@ class MooncakeTransport(Transport):
     sglang_native: ClassVar[bool] = True
 
     @classmethod
+    def serves(cls, device_type: str) -> bool:
+        """Host memory always; GPU memory with a CUDA build of Mooncake (:data:`CUDA_BUILDS`)."""
+        return device_type == "cpu" or mooncake_build() in CUDA_BUILDS
+
+    @classmethod
+    def device_memory_hint(cls) -> str:
+        return (f" (the installed Mooncake is {mooncake_build() or 'none'}; GPU memory needs "
+                f"{CUDA_BUILDS[0]}==0.3.14: scripts/setup.sh installs it where nvidia-smi lists a GPU)")
+
+    @classmethod
     def config_options(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
         return {"protocol": cfg["mooncake_protocol"], "device": cfg["mooncake_device"],
                 "hostname": cfg["mooncake_hostname"]}
@@ -114,8 +207,9 @@ class MooncakeTransport(Transport):
         engine_factory: Callable[[], Any] | None = None,
     ) -> None:
         """Args:
-        protocol: Mooncake transport protocol (``tcp``, ``rdma``, ...).
-        device: RDMA device name(s) for ``rdma`` (``mlx5_0``); empty for ``tcp``.
+        protocol: ``auto`` (RDMA where a port is active, else TCP), ``tcp`` or ``rdma``
+            (:func:`choose_protocol`; the result is :attr:`protocol`).
+        device: RDMA device name(s) (``mlx5_0``); empty: all.
         hostname: this host's address as peers reach it (an IP on multi-host runs).
         workers: batches in flight at once (>= 1; 1 serializes the writes).
         close_grace_s: how long :meth:`close` waits for writes still in flight.
@@ -130,14 +224,16 @@ class MooncakeTransport(Transport):
             raise ValueError(f"mooncake workers must be >= 1, got {workers}")
         if close_grace_s < 0:
             raise ValueError(f"close_grace_s must be >= 0, got {close_grace_s}")
-        self.protocol, self.device, self.hostname = protocol, device, hostname
+        chosen, reason = choose_protocol(protocol, device)
+        _say(chosen, reason)
+        self.protocol, self.device, self.hostname = chosen, device, hostname
         self.workers, self.close_grace_s = workers, close_grace_s
         self._engine = (engine_factory or _engine_class())()
         before = {lst.inode for lst in listening_sockets()}
-        ret = self._engine.initialize(hostname, P2P_HANDSHAKE, protocol, device)
+        ret = self._engine.initialize(hostname, P2P_HANDSHAKE, chosen, device)
         if ret != 0:
             raise RuntimeError(
-                f"Mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
+                f"Mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, {chosen!r}, {device!r}) "
                 f"returned {ret}: check the protocol/device (MOONCAKE_PROTOCOL, MOONCAKE_DEVICE)"
             )
         self._port = int(self._engine.get_rpc_port())
