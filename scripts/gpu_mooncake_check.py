@@ -13,6 +13,9 @@ children are killed at the end whatever happened.
 
 Writes ``{"ok", "device", "gpus", "mooncake", "protocol", "reason", "bytes", "iters",
 "seconds", "gbps_median", "bytes_equal", "error"}`` as JSON to ``--out`` and prints one line.
+Without CUDA (a CPU build of torch, or no GPU), ``--device cuda`` says ``no CUDA: <why>``, runs
+the CPU-memory check instead and writes ``{"ok": false, "device": "cuda", "error": "no CUDA:
+...", "cpu_fallback": {...}}`` (exit status 1: the GPU check did not run).
 """
 
 from __future__ import annotations
@@ -156,14 +159,38 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each step")
     args = p.parse_args()
     os.environ["CHECK_TIMEOUT_S"] = str(args.timeout_s)
-    report = run(args)
+    no_cuda = _no_cuda() if args.device == "cuda" else None
+    if no_cuda:
+        # The GPU check cannot run: say so, and run the same check on CPU memory so the rest of
+        # the path (Mooncake's build, the protocol choice, the write) is still exercised.
+        print(f"no CUDA: {no_cuda}; the GPU check did not run, running the CPU-memory check instead", flush=True)
+        args.device = "cpu"
+        fallback = run(args)
+        report = {"ok": False, "device": "cuda", "error": f"no CUDA: {no_cuda}", "cpu_fallback": fallback}
+    else:
+        report = fallback = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    rate = f"{report['gbps_median']:.2f} GB/s" if report.get("gbps_median") else "-"
-    print(f"mooncake {report.get('mooncake')} {args.device} {report.get('protocol')}: {report['bytes'] >> 20} MiB x "
-          f"{args.iters}, {rate}, bytes equal: {report.get('bytes_equal')}, ok: {report['ok']}"
-          + (f", error: {report['error']}" if report["error"] else ""))
+    rate = f"{fallback['gbps_median']:.2f} GB/s" if fallback.get("gbps_median") else "-"
+    print(f"mooncake {fallback.get('mooncake')} {args.device} {fallback.get('protocol')}: {fallback['bytes'] >> 20} "
+          f"MiB x {args.iters}, {rate}, bytes equal: {fallback.get('bytes_equal')}, ok: {fallback['ok']}"
+          + (f", error: {fallback['error']}" if fallback["error"] else ""))
+    if no_cuda:
+        print(f"GPU check: NOT RUN (no CUDA: {no_cuda}); ok: False")
     return 0 if report["ok"] else 1
+
+
+def _no_cuda() -> str | None:
+    """Why CUDA cannot be used here, or None."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch does not import ({exc})"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+    return None
 
 
 if __name__ == "__main__":
