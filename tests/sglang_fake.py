@@ -115,7 +115,8 @@ class FakeSglang:
         from weightsync.transport import TransportConfig
 
         cfg = None if transport is None else TransportConfig(kind=transport)
-        return Receiver.open(cfg, layout, device=torch.device("cpu"), rank=rank)
+        receiver, copies = Receiver.open(cfg, layout, device=torch.device("cpu"), rank=rank)
+        return receiver, copies.served_store  # one copy: sglang holds no shadow
 
     # -- /server_info ---------------------------------------------------------------------------
 
