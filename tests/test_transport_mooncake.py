@@ -285,3 +285,23 @@ def test_the_gpu_check_script_writes_and_verifies(repo_root: Any, tmp_path: Any)
     assert report["protocol"] in ("tcp", "rdma")
     assert report["reason"]
     assert len(report["seconds"]) == 2
+
+
+@pytest.mark.skipif(not mooncake_available(), reason="mooncake.engine is not importable")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
+@pytest.mark.timeout(180)
+def test_the_gpu_check_script_says_no_cuda_and_checks_host_memory_instead(repo_root: Any, tmp_path: Any) -> None:
+    """Without CUDA the GPU check is not passed off as done: ok false, 'no CUDA: <why>', exit 1,
+    and the CPU-memory check's own report beside it."""
+    out = tmp_path / "mc.json"
+    proc = subprocess.run([sys.executable, str(repo_root / "scripts" / "gpu_mooncake_check.py"), "--size-mb", "2",
+                           "--iters", "1", "--timeout-s", "120", "--out", str(out)],
+                          capture_output=True, text=True, timeout=170, check=False)
+    report = json.loads(out.read_text())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert report["ok"] is False
+    assert report["device"] == "cuda"
+    assert report["error"].startswith("no CUDA: ")
+    assert "no CUDA" in proc.stdout
+    assert report["cpu_fallback"]["ok"] is True
+    assert report["cpu_fallback"]["bytes_equal"] is True
