@@ -140,6 +140,29 @@ def compare_checksums(got: Mapping[str, str], want: Mapping[str, str]) -> list[s
     return sorted(bad)
 
 
+def engine_checksum_mismatches(answer: Mapping[str, Any], want: Sequence[Mapping[str, str]]) -> list[str]:
+    """One line per rank of an engine whose checksums differ from ``want[rank]`` (empty: all equal).
+
+    Args:
+        answer: the engine's ``/weights_checker`` ``checksum`` answer, as sglang gives it (``ranks``,
+            each with its ``parallelism_info``; either release's shape) -- this project's engine
+            answers the same.
+        want: per rank, :func:`expected_checksums`.
+    """
+    from weightsync.sync.sglang_checksum import checksums_by_rank
+
+    got = checksums_by_rank(answer)
+    bad = []
+    for rank, expected in enumerate(want):
+        if rank not in got:
+            bad.append(f"rank {rank}: not in the answer (ranks {sorted(got)})")
+            continue
+        diff = compare_checksums(got[rank], expected)
+        if diff:
+            bad.append(f"rank {rank}: {len(diff)} tensors differ, e.g. {diff[:3]}")
+    return bad
+
+
 def max_abs_diff(a: Sequence[float | None], b: Sequence[float | None]) -> float:
     """Largest |a_i - b_i| over positions where both are numbers."""
     diffs = [abs(x - y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
