@@ -137,9 +137,11 @@ def weightsync_argv(args: argparse.Namespace) -> list[str]:
 
 
 def child_env(args: argparse.Namespace) -> dict[str, str]:
-    """The servers' environment: ``--site`` (sglang's wheels) and this checkout first on the path."""
+    """The servers' environment: ``--site`` (sglang's wheels) and this checkout first on the path;
+    Hugging Face offline (the model directory is local; the GPU machine reaches no network)."""
     path = [p for p in (args.site, str(ROOT), os.environ.get("PYTHONPATH")) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1"}
 
 
 def log_tail(log: Path, lines: int = 40) -> str:
