@@ -17,7 +17,9 @@ arguments with sglang's own formulas (0.5.23 ``runtime_context.py`` ``derive_att
 
 which is :func:`weightsync.layout.sglang_coords.engine_coords` when ``attn_cp`` and ``moe_dp`` are 1.
 The settings weightsync cannot lay out are refused when the engines are found, in one line that
-names each (:data:`UNSUPPORTED`), before anything is planned or written.
+names each (:data:`UNSUPPORTED`), then those of the layout options' own list
+(:func:`weightsync.layout.sglang_options.check_server_args`: expert placement, EPLB), before
+anything is planned or written.
 """
 
 from __future__ import annotations
