@@ -93,7 +93,7 @@ def test_checksums_are_sglangs_where_the_parameters_are(device: str) -> None:
     for name, t in store.items():
         values = torch.randint(0, 120 if name.endswith("_scale_inv") or t.dtype == torch.float8_e4m3fn else 256,
                                (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
-        t.view(torch.uint8).reshape(-1).copy_(values)  # fp8 and scales: finite values
+        t.reshape(-1).view(torch.uint8).copy_(values)  # fp8 and scales: finite values (k/v scales: 0-dim)
     got = WeightChecker(store).checksum()["checksums"]
     gpu = device == "cuda"
     name = "model.layers.0.self_attn.kv_b_proj.weight"
