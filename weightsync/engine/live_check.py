@@ -15,9 +15,9 @@ served until a session writes, verifies and publishes them.
 Each check runs as one job on the driver thread, between batches, and decides there, so no batch
 starts on weights it found changed. It is skipped while a session is open (its writes are
 expected), on dirty weights (nothing is served), and when a publication came since it began.
-Cost: one pass over the parameters (xxh64 on the host) per check, during which generation
-waits. What it cannot see: a write between a publication and the reference taken right after
-it, and a write undone before the next check.
+Cost: one pass over the parameters (the weight checker's checksum, sglang's: on the parameters'
+device) per check, during which generation waits. What it cannot see: a write between a
+publication and the reference taken right after it, and a write undone before the next check.
 
 TODO(owner): switch to the device-side fingerprint of issue 19 once it lands (the checksums here
 are the weight checker's, hashed through host memory).
