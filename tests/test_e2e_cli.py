@@ -179,14 +179,18 @@ def test_mismatched_engine_is_refused_before_any_byte(argv: list[str], named: st
 
 
 def test_unreachable_engine(e2e_ckpt: Path, tmp_path: Path):
-    """Exit 1 naming the engine; the run's log directory, empty, is not left behind."""
+    """Exit 1 naming the engine; the run's log directory holds only the whole error (the message
+    points at it), nothing empty is left behind."""
     url = f"http://127.0.0.1:{free_port()}"
     run = run_cli(["run", "Qwen3-4B", "--train", "tp=1,cp=1,world=1", "--rollout", "tp=1", "--num-rollout", "1",
                    "--engine-urls", url], ckpt_dir=e2e_ckpt, log_dir=tmp_path / "logs" / "run")
     assert run.returncode == 1, run.describe()
     assert f"{url}/server_info: engine unreachable" in run.output
     _no_traceback(run)
-    assert not (tmp_path / "logs").exists()
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "logs").rglob("*"))
+    assert left in ([], ["logs/run", "logs/run/error.log"]), left
+    if left:
+        assert f"{tmp_path / 'logs' / 'run' / 'error.log'}" in run.output
 
 
 def test_run_updates_an_attached_engine(qwen_engine: str, e2e_ckpt: Path, tmp_path: Path):
