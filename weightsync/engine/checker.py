@@ -26,6 +26,12 @@ verifies an update with: a seeded, position-dependent hash of every element of e
 parameter, computed where the parameter lives (one Triton launch over the whole store on a GPU),
 answered as 16 hex digits per parameter. They equal the sum of the partials the trainer ranks
 compute over exactly the bytes they wrote.
+
+The live check (:mod:`weightsync.engine.live_check`) digests the served copy with
+:meth:`WeightChecker.live_digest`: derived tensors included (a foreign write can reach them too),
+by fingerprint where the parameters are on a GPU (one launch, no host copy) and by xxh64 on the
+CPU, where numpy's fingerprint runs 60-130 MB/s against xxh64's ~4.6 GB/s (BENCHMARKS.md,
+"Verification by fingerprint").
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import xxhash
 
 from weightsync.fingerprint import FingerprintBatch, to_hex, whole_tensors
 from weightsync.fingerprint.hash import check_seed
@@ -97,9 +104,10 @@ class WeightChecker:
         self.store = store
         self.parallelism_info = dict(parallelism_info or {})
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._batches: weakref.WeakKeyDictionary[ParamStore, tuple[tuple[str, ...], FingerprintBatch]] = (
+        self._batches: weakref.WeakKeyDictionary[ParamStore, dict[bool, tuple[tuple[str, ...], FingerprintBatch]]] = (
             weakref.WeakKeyDictionary())
-        """Per store hashed, the names and the batch of :meth:`fingerprint` (built on first use)."""
+        """Per store hashed and per ``derived``, the names and the batch of :meth:`fingerprint`
+        (built on first use)."""
 
     def snapshot(self) -> dict[str, int]:
         """Copy every parameter to host memory (replacing an older snapshot; kept until then)."""
@@ -204,7 +212,8 @@ class WeightChecker:
             "parallelism_info": [{"role": "target", **self.parallelism_info}] if self.parallelism_info else [],
         }
 
-    def fingerprint(self, seed: int, skip: Sequence[str] = (), *, store: ParamStore | None = None) -> dict[str, Any]:
+    def fingerprint(self, seed: int, skip: Sequence[str] = (), *, store: ParamStore | None = None,
+                    derived: bool = False) -> dict[str, Any]:
         """The fingerprint of every non-derived parameter of ``store`` (default: the checker's own),
         hashed on the parameters' device in one batch; constant ones (fp8 k/v scales) are left out,
         as from checksums.
@@ -213,6 +222,7 @@ class WeightChecker:
             seed: the fingerprint's seed (in ``[0, 2^63)``), the one the trainer hashed with.
             skip: name substrings of parameters left out.
             store: the copy to hash (the one the update session wrote).
+            derived: hash the derived tensors too (no trainer writes them: the live check's digest).
 
         Returns:
             ``{"fingerprints": {name: 16 hex digits}, "seed", "nbytes", "seconds"}``.
@@ -222,12 +232,12 @@ class WeightChecker:
         """
         check_seed(seed)
         store = self.store if store is None else store
-        names = tuple(n for n, _ in store.items()
-                      if not store.meta[n].derived and store.meta[n].constant is None and not _skipped(n, skip))
-        cached = self._batches.get(store)
+        names = tuple(n for n, _ in store.items() if (derived or not store.meta[n].derived)
+                      and store.meta[n].constant is None and not _skipped(n, skip))
+        batches = self._batches.setdefault(store, {})
+        cached = batches.get(derived)
         if cached is None or cached[0] != names:
-            cached = (names, whole_tensors([store[n] for n in names]))
-            self._batches[store] = cached
+            cached = batches[derived] = (names, whole_tensors([store[n] for n in names]))
         batch = cached[1]
         t0 = time.perf_counter()
         out = torch.zeros(len(names), dtype=torch.int64, device=store.device)
@@ -235,3 +245,23 @@ class WeightChecker:
         values = out.tolist()  # waits for the device
         return {"fingerprints": {n: to_hex(v) for n, v in zip(names, values, strict=True)}, "seed": seed,
                 "nbytes": batch.nbytes, "seconds": time.perf_counter() - t0}
+
+    def live_digest(self, store: ParamStore, seed: int, *, fingerprint: bool | None = None) -> dict[str, str]:
+        """A digest of every non-constant tensor of ``store`` (derived ones included), for the live
+        check to compare with the one taken at the publication (module docstring).
+
+        Args:
+            store: the served copy.
+            seed: the live check's fingerprint seed (the same for the reference and every check).
+            fingerprint: fingerprints (True) or xxh64 of the raw bytes (False, CPU parameters only);
+                default: fingerprints on a GPU.
+
+        Returns:
+            ``{name: hex digest}``.
+        """
+        if fingerprint is None:
+            fingerprint = store.device.type == "cuda"
+        if fingerprint:
+            return self.fingerprint(seed, store=store, derived=True)["fingerprints"]
+        return {name: xxhash.xxh64(_bytes(t).numpy()).hexdigest() for name, t in store.items()
+                if store.meta[name].constant is None}

@@ -51,6 +51,7 @@ class Op(enum.StrEnum):
     UPDATE_FROM_DISK = "update_from_disk"  # path -> LoadStats (into the session's copy)
     TRANSFER_INFO = "transfer_info"  # -> TransferInfo
     CHECK_WEIGHTS = "check_weights"  # action, seed, allow_quant_error, skip -> dict
+    LIVE_DIGEST = "live_digest"  # seed -> {name: hex} of the served copy (the live check)
     INIT_GROUP = "init_group"  # master_address, master_port, rank_offset, world_size, group_name, backend
     INIT_GROUP_START = "init_group_start"  # the same arguments; the join runs in the background
     GROUP_STATUS = "group_status"  # group_name -> "ok" | "pending" | the failure
@@ -138,6 +139,8 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
             case Op.CHECK_WEIGHTS:
                 value = _check(engine, a["action"], a.get("seed", 0), a.get("allow_quant_error", False),
                                a.get("skip", ()))
+            case Op.LIVE_DIGEST:
+                value = engine.checker.live_digest(engine.store, a["seed"])
             case Op.INIT_GROUP:
                 value = engine.broadcast.init_group(**a)
             case Op.INIT_GROUP_START:

@@ -6,26 +6,26 @@ that reaches them: Mooncake's TCP data port and RDMA queue pairs take writes int
 memory from every peer that completed its handshake, with no authentication (README,
 "Security"). Such a write between updates changes what the engine serves without any call. The
 live check makes it detectable: when weights are published (at start, and by every session that
-publishes) the check takes a *reference*, every rank's checksum of every parameter; then, every
-``interval_s`` and on demand (``/live_weights_check``), it computes them again and compares. A
-difference while no session is open is the ``live weights changed outside a session`` event of
-the state table (:mod:`weightsync.engine.states`): the weights become dirty and nothing is
-served until a session writes, verifies and publishes them.
+publishes) the check takes a *reference*, every rank's digest of every tensor of the served copy
+(:meth:`~weightsync.engine.checker.WeightChecker.live_digest`: fingerprints with a seed of the
+engine's own, never published, on a GPU; xxh64 on the CPU); then, every ``interval_s`` and on
+demand (``/live_weights_check``), it computes them again and compares. A difference while no
+session is open is the ``live weights changed outside a session`` event of the state table
+(:mod:`weightsync.engine.states`): the weights become dirty and nothing is served until a session
+writes, verifies and publishes them.
 
 Each check runs as one job on the driver thread, between batches, and decides there, so no batch
-starts on weights it found changed. It is skipped while a session is open (its writes are
-expected), on dirty weights (nothing is served), and when a publication came since it began.
-Cost: one pass over the parameters (the weight checker's checksum, sglang's: on the parameters'
-device) per check, during which generation waits. What it cannot see: a write between a
-publication and the reference taken right after it, and a write undone before the next check.
-
-TODO(owner): switch to the device-side fingerprint of issue 19 once it lands (the checksums here
-are the weight checker's, hashed through host memory).
+starts on weights it found changed. It is skipped while a session is open, paused or pause-free
+(its writes, or its flip, are expected), on dirty weights (nothing is served), and when a
+publication came since it began. Cost: one pass over the parameters per check (one kernel launch
+on a GPU), during which generation waits. What it cannot see: a write between a publication and
+the reference taken right after it, and a write undone before the next check.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import Any
@@ -36,6 +36,8 @@ from weightsync.engine.states import State
 
 logger = logging.getLogger(__name__)
 
+SESSION_OPEN = (State.UPDATING, State.ENDED, State.SHADOW_UPDATING, State.SHADOW_ENDED)
+"""States with an update session open: nothing is checked (the state table's rows)."""
 POLL_S = 0.5
 """How often the check's thread looks for a publication (a new reference is due) or its next check."""
 
@@ -59,7 +61,9 @@ class LiveCheck:
         self.sessions = sessions
         self.interval_s = interval_s
         self.reference: list[dict[str, str]] | None = None
-        """Every rank's checksums of the published weights."""
+        """Every rank's digests of the published weights."""
+        self.seed = secrets.randbelow(1 << 63)
+        """The fingerprints' seed: the engine's own, so a writer cannot aim at a known hash."""
         self.epoch = -1
         """The publication (``sessions.publications``) the reference belongs to."""
         self.checks = 0
@@ -80,7 +84,7 @@ class LiveCheck:
     def _checkable(self) -> str:
         """Why there is nothing to check now ("" when there is; caller holds the lock)."""
         s = self.sessions
-        if s.state in (State.UPDATING, State.ENDED):
+        if s.state in SESSION_OPEN:
             return f"an update session is open (the engine is {s.state.value})"
         if s.dirty:
             return "the weights are dirty: nothing is served until a session publishes"
@@ -100,10 +104,9 @@ class LiveCheck:
         return sessions.scheduler.call(lambda: self._job(epoch), "live weights check")
 
     def _job(self, epoch: int) -> dict[str, Any]:
-        """On the driver thread: checksums of every rank, then the decision (no batch in between)."""
+        """On the driver thread: digests of every rank, then the decision (no batch in between)."""
         sessions = self.sessions
-        per_rank = sessions.driver.run(Op.CHECK_WEIGHTS, action="checksum")
-        sums = [r["checksums"] for r in per_rank]
+        sums = sessions.driver.run(Op.LIVE_DIGEST, seed=self.seed)
         self._last = time.monotonic()
         with sessions.lock:
             why = self._checkable() or ("weights were published meanwhile" if sessions.publications != epoch else "")

@@ -646,7 +646,7 @@ class UpdateSessions(FleetSessions):
         """The live check found the served weights changed outside a session (the ``live weights
         changed outside a session`` rows): dirty, a serving engine pauses. False when a session is
         open (its writes are expected; nothing changes). Caller holds the lock."""
-        if self.state in (State.UPDATING, State.ENDED):
+        if self.state in (State.UPDATING, State.ENDED, State.SHADOW_UPDATING, State.SHADOW_ENDED):
             return False
         logger.error("the served weights of version %r changed outside an update session (%s): nothing is served "
                      "until an update session publishes", self.weight_version, what)
