@@ -20,7 +20,8 @@ logprobs of its output tokens. Reported:
 * the engines' idle time per update (``UpdateStats.engine_idle_s``) beside the whole update.
 
 The pass criterion: every update verified, no non-200, no mixed answer, every answer's versions
-well-formed, and (pause-free) no answer cut short. Prints the summary and writes it as JSON with
+well-formed, (pause-free) no answer cut short, and the engine healthy at the end (``/health`` 200,
+serving, weights clean). Prints the summary and writes it as JSON with
 ``--out``; exit status 0 when the criterion holds::
 
     .venv/bin/python scripts/load_during_updates.py --clients 50 --seconds 30 --out logs/load.json
@@ -105,6 +106,20 @@ def check(records: list[dict[str, Any]], published: list[str]) -> dict[str, Any]
             "non_200": sum(errors.values()), "versions_with_mixed_answers": sorted(mixed)}
 
 
+def health_after(url: str) -> dict[str, Any]:
+    """The engine once the load is over: ``/health`` 200, serving, clean weights (``healthy``)."""
+    from weightsync.sync.engine_client import EngineClient
+
+    c = EngineClient(url, timeout_s=60.0)
+    try:
+        status, body = c.health(timeout_s=30)
+    finally:
+        c.close()
+    healthy = status == 200 and body.get("state") == "serving" and body.get("weights_dirty") is False
+    return {"status": status, "state": body.get("state"), "weights_dirty": body.get("weights_dirty"),
+            "healthy": healthy}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=50)
@@ -148,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
         base, base_s = clients_for(url, args.clients, args.seconds)
         loaded, loaded_s = clients_for(url, args.clients, args.seconds, during=update_until)
+        health = health_after(url)
     baseline, result = check(base, published), check(loaded, published)
     n = max(len(updates), 1)
     result.update({
@@ -158,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": result["tokens"] / loaded_s, "baseline_tokens_per_s": baseline["tokens"] / base_s,
         "mean_engine_idle_ms": 1e3 * sum(u["engine_idle_s"] for u in updates) / n,
         "max_engine_idle_ms": 1e3 * max((u["engine_idle_s"] for u in updates), default=0.0),
-        "mean_update_ms": 1e3 * sum(u["update_s"] for u in updates) / n,
+        "mean_update_ms": 1e3 * sum(u["update_s"] for u in updates) / n, "engine_after": health,
     })
     result["throughput_ratio"] = result["tokens_per_s"] / max(result["baseline_tokens_per_s"], 1e-9)
     result["passed"] = (result["non_200"] == 0 and not result["versions_with_mixed_answers"]
                         and result["bad_spans"] == 0 and result["updates_verified"] == len(updates)
-                        and result["answers"] > 0 and (args.pause_free == "off" or result["aborted"] == 0))
+                        and result["answers"] > 0 and (args.pause_free == "off" or result["aborted"] == 0)
+                        and health["healthy"])
     print(json.dumps({**result, "baseline": baseline}, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
