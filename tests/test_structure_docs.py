@@ -64,7 +64,7 @@ def test_every_run_deadline_is_in_the_readme_table_with_its_default():
 
 
 def test_every_serve_deadline_flag_is_in_the_engine_table_with_its_default():
-    """docs/engine.md's waits table names every ``weightsync serve`` timeout and interval flag with
+    """docs/engine.md's waits table names every ``weightsync serve`` timeout, deadline and interval flag with
     its default (the live check's default depends on the transport: said in words), and no flag
     that does not exist."""
     import argparse
@@ -74,7 +74,7 @@ def test_every_serve_deadline_flag_is_in_the_engine_table_with_its_default():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     flags = {a.option_strings[0]: a.default for a in parser._actions
-             if a.option_strings and a.dest.endswith(("_timeout_s", "_interval_s"))}
+             if a.option_strings and a.dest.endswith(("_timeout_s", "_interval_s", "_deadline_s"))}
     assert len(flags) >= 6
     text = "\n".join(_table_rows("docs/engine.md", "waits"))
     for flag, default in flags.items():

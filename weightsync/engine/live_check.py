@@ -16,8 +16,9 @@ writes, verifies and publishes them.
 
 Each check runs as one job on the driver thread, between batches, and decides there, so no batch
 starts on weights it found changed. It is skipped while a session is open, paused or pause-free
-(its writes, or its flip, are expected), on dirty weights (nothing is served), and when a
-publication came since it began. Cost: one pass over the parameters per check (one kernel launch
+(its writes, or its flip, are expected), while the engine joins from a peer or is stale (what it
+serves is not the fleet's version), on dirty weights (nothing is served), and when a publication
+came since it began. Cost: one pass over the parameters per check (one kernel launch
 on a GPU), during which generation waits. What it cannot see: a write between a publication and
 the reference taken right after it, and a write undone before the next check.
 """
@@ -32,12 +33,10 @@ from typing import Any
 
 from weightsync.engine.control import Op
 from weightsync.engine.session import UpdateSessions
-from weightsync.engine.states import State
+from weightsync.engine.states import NOT_LIVE_CHECKED, State
 
 logger = logging.getLogger(__name__)
 
-SESSION_OPEN = (State.UPDATING, State.ENDED, State.SHADOW_UPDATING, State.SHADOW_ENDED)
-"""States with an update session open: nothing is checked (the state table's rows)."""
 POLL_S = 0.5
 """How often the check's thread looks for a publication (a new reference is due) or its next check."""
 
@@ -84,7 +83,9 @@ class LiveCheck:
     def _checkable(self) -> str:
         """Why there is nothing to check now ("" when there is; caller holds the lock)."""
         s = self.sessions
-        if s.state in SESSION_OPEN:
+        if s.state in NOT_LIVE_CHECKED:
+            if s.state in (State.JOINING, State.STALE):
+                return f"what is served is not the fleet's version (the engine is {s.state.value})"
             return f"an update session is open (the engine is {s.state.value})"
         if s.dirty:
             return "the weights are dirty: nothing is served until a session publishes"

@@ -43,7 +43,7 @@ from weightsync.engine.engine import TransferInfo
 from weightsync.engine.loader import validate_checkpoint
 from weightsync.engine.scheduler import Scheduler, Unavailable
 from weightsync.engine.session_fleet import FleetSessions
-from weightsync.engine.states import Conflict, Event, Facts, Rule, State, When, decide
+from weightsync.engine.states import NOT_LIVE_CHECKED, Conflict, Event, Facts, Rule, State, When, decide
 from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.sync.broadcast_receiver import check_update_request
 from weightsync.sync.update_options import FLIPS
@@ -644,9 +644,9 @@ class UpdateSessions(FleetSessions):
 
     def foreign_write(self, what: str) -> bool:
         """The live check found the served weights changed outside a session (the ``live weights
-        changed outside a session`` rows): dirty, a serving engine pauses. False when a session is
-        open (its writes are expected; nothing changes). Caller holds the lock."""
-        if self.state in (State.UPDATING, State.ENDED, State.SHADOW_UPDATING, State.SHADOW_ENDED):
+        changed outside a session`` rows): dirty, a serving engine pauses. False where the table says
+        "not looked for" (a session or a join writes; nothing changes). Caller holds the lock."""
+        if self.state in NOT_LIVE_CHECKED:
             return False
         logger.error("the served weights of version %r changed outside an update session (%s): nothing is served "
                      "until an update session publishes", self.weight_version, what)

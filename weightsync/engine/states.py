@@ -331,6 +331,10 @@ TRANSITIONS: tuple[Rule, ...] = (
 )
 """The engine's state machine (module docstring): for an event, the first rule whose states hold
 the engine's state and whose condition holds is the one that applies."""
+NOT_LIVE_CHECKED: frozenset[State] = frozenset(
+    s for r in TRANSITIONS if r.event is Event.FOREIGN_WRITE and r.note.startswith("not looked for") for s in r.states)
+"""States whose ``live weights changed outside a session`` row says "not looked for": the live
+check compares nothing in them (a session or a join writes, or what is served is not the fleet's)."""
 
 
 def decide(state: State, event: Event, facts: Facts) -> Rule:
