@@ -162,7 +162,10 @@ def execute(engine: Engine, cmd: Command, should_abort: Callable[[], bool] | Non
             case Op.SHUTDOWN:
                 value = None
     except Exception as exc:  # shipped to rank 0 with its traceback and re-raised there as RankError
-        logger.exception("[rank%d] %s failed", engine.rank, cmd.op)
+        if isinstance(exc, ValueError):  # a refused request (answered 400): one line, no traceback in the log
+            logger.warning("[rank%d] %s refused: %s", engine.rank, cmd.op, exc)
+        else:
+            logger.exception("[rank%d] %s failed", engine.rank, cmd.op)
         return Reply(rank=engine.rank, ok=False, error=traceback.format_exc(), user_error=isinstance(exc, ValueError),
                      error_type=type(exc).__name__)
     if engine.rank != 0 and cmd.op in (Op.GENERATE, Op.PROMPT_LOGITS):
