@@ -15,7 +15,8 @@ nobody listens on. After every request ``/health`` must answer 200.
 Reported: answers by status; every 5xx with its route, body and message (the failures); 503s, each
 of which must be one the engine documents for the state the fuzz left it in (dirty weights, a
 request queued past its deadline behind a pause, sglang's bodyless ``/health_generate`` 503 while
-paused or dirty); and every
+paused or dirty, a stale or joining engine's ``/generate``, a ``/join_from_peer`` with ``wait``
+whose every peer failed); and every
 ``--restore-every`` requests and at the end, the engine brought back the way a trainer would (an
 open session aborted, pause, a session that loads the checkpoint and publishes, continue), after
 which its greedy answer must be the one it gave at start. Exit status 0 when there is no 5xx but
@@ -83,7 +84,7 @@ HOSTILE: list[Any] = [None, True, -1, 0, 2**64, -(2**63) - 1, 10**400, 1e308, fl
                       list(range(5000)), ["a"] * 64, "(a+)+b", 1.5, "nccl", "snapshot", "reset_tensors"]
 RAW: list[bytes] = [b"", b"{", b"[1, 2", b"\x00\xff" * 64, b"null", b"[]", b"42", b'"text"', b"[" * 100_000,
                     b'{"a": ' * 50_000, json.dumps({"sampling_params": GREEDY}).encode()[:-3], b"NaN"]
-DOCUMENTED_503 = ("dirty", "not answered within", "/health_generate while")
+DOCUMENTED_503 = ("dirty", "not answered within", "/health_generate while", "join failed:", "stale:", "joining:")
 """Words of the 503s the engine documents (docs/engine.md, "Endpoints" and "Limits")."""
 
 
