@@ -6,7 +6,9 @@
 * a pause-free session writes the shadow while the engine serves: the check looks at nothing then
   (the state table's ``shadow_updating, shadow_ended`` row) -- it neither finds a "foreign" write in
   the session's writes nor turns the engine dirty, and generation goes on; after the publication
-  it compares against the new weights, and a write outside any session is still found.
+  it compares against the new weights, and a write outside any session is still found;
+* a checkpoint reload without a session (``/update_weights_from_disk``, sglang's rule) is a
+  publication too: the check takes its reference anew instead of calling the load a foreign write.
 """
 
 from __future__ import annotations
@@ -118,3 +120,21 @@ def test_a_pause_free_session_is_not_a_foreign_write(served: tuple[TestClient, L
     assert (found["match"], found["mismatched"]) == (False, [f"rank 0: {name}"]), found
     assert _state(client)["weights_dirty"] is True
     assert client.post("/generate", json=GREEDY).status_code == 503
+
+
+def test_a_reload_from_disk_without_a_session_is_a_publication(served: tuple[TestClient, LiveCheck, Engine],
+                                                                ckpts: tuple[str, str]) -> None:
+    client, live, _ = served
+    _ok(client.post("/pause_generation", json={"mode": "retract"}))
+    _ok(client.post("/update_weights_from_disk", json={"model_path": ckpts[0], "weight_version": "d1"}))
+    _ok(client.post("/continue_generation", json={}))
+    assert _ok(client.post("/live_weights_check"))["reference"] == "taken"
+    found = live.found
+    _ok(client.post("/pause_generation", json={"mode": "retract"}))
+    _ok(client.post("/update_weights_from_disk", json={"model_path": ckpts[1], "weight_version": "d2"}))
+    _ok(client.post("/continue_generation", json={}))
+    seen = _ok(client.post("/live_weights_check"))
+    assert (seen["reference"], seen["weight_version"]) == ("taken", "d2"), seen
+    assert _ok(client.post("/live_weights_check"))["match"] is True
+    assert (live.found, _state(client)["weights_dirty"]) == (found, False)
+    assert _ok(client.post("/generate", json=GREEDY))["meta_info"]["weight_version"] == "d2"

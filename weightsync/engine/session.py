@@ -526,6 +526,8 @@ class UpdateSessions(FleetSessions):
             if not in_session:
                 self.session = None  # an ended, unpublished session is dropped (the rows of the other states)
                 self._enter(rule)
+                # the served weights change: a live check under way or taken mid-load compares nothing
+                self.publications += 1
         if in_session:
             return self._run_update(what, lambda: self.driver.run(Op.UPDATE_FROM_DISK, path=path), weight_version,
                                     message, session_id)
@@ -541,6 +543,7 @@ class UpdateSessions(FleetSessions):
             raise
         with self.lock:
             self.dirty = False
+            self.publications += 1  # the live check's next reference is the loaded checkpoint
             if weight_version is not None:
                 self.weight_version = weight_version
                 message += f" Weight version updated to {weight_version}."
