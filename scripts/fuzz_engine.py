@@ -70,6 +70,8 @@ TEMPLATES: dict[str, dict[str, Any]] = {
     "/donate_weights": {"model_key": "0" * 32, "joiner": {"tp": 1, "dp": 1, "ep": 1}, "seed": 1, "deadline_s": 1.0,
                         "ranks": [{"session_id": "s", "weights": {"model.norm.weight": [0, 64, 4]},
                                    "descriptor": {"kind": "shm", "name": "x"}}]},
+    "/release_memory_occupation": {"tags": ["kv_cache", "weights"]},
+    "/resume_memory_occupation": {"tags": ["weights"]},
     "/parallelism_config": {"rank": 0},
     "/get_remote_instance_transfer_engine_info": {"rank": 0},
     "/remote_instance_transfer_engine_info": {"rank": 1},
