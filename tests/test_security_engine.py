@@ -439,6 +439,17 @@ def test_extreme_but_computable_sampling_values_are_served(client: TestClient) -
     assert biased["output_ids"] == [7, 7, 7]
 
 
+def test_a_checkpoint_path_the_filesystem_refuses_is_a_400(client: TestClient) -> None:
+    """Found by scripts/fuzz_engine.py: a ``model_path`` too long for the filesystem was a 500
+    (``OSError``); it is the caller's input, refused naming the path, and nothing changes."""
+    before = _checksums(client)
+    _ok(client.post("/pause_generation", json={"mode": "retract"}))
+    r = client.post("/update_weights_from_disk", json={"model_path": "x" * 5000})
+    assert r.status_code == 400, r.text
+    assert "cannot read the checkpoint 'xxx" in _message(r)
+    assert (_state(client)["weights_dirty"], _checksums(client)) == (False, before)
+
+
 def test_a_fault_answer_carries_no_traceback(client: TestClient, served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*_: Any, **__: Any) -> Any:
         raise RuntimeError("checksum kernel exploded")

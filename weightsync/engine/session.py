@@ -511,13 +511,17 @@ class UpdateSessions(FleetSessions):
 
         Raises:
             Conflict: serving with generation in progress (pause first).
+            ValueError: a checkpoint that cannot be read (the path named) or does not fit the model.
         """
         what = "update_weights_from_disk"
         with self.lock:
             self._check_session(session_id)
             self._decide(Event.LOAD, what)
-        with HFCheckpoint(path) as ckpt:
-            validate_checkpoint(self.spec, ckpt)
+        try:
+            with HFCheckpoint(path) as ckpt:
+                validate_checkpoint(self.spec, ckpt)
+        except OSError as exc:  # a path the filesystem refuses (too long, unreadable): the caller's input
+            raise ValueError(f"cannot read the checkpoint {path[:200]!r}: {exc.strerror or exc}") from None
         message = "Succeeded to update model weights."
         with self.lock:
             rule = self._decide(Event.LOAD, what)
