@@ -267,6 +267,26 @@ def _reset_peak(pid: int) -> float:
     return _mb(pid, "VmRSS")
 
 
+def _read_answer(s: socket.socket) -> bytes:
+    """One HTTP answer from ``s``: its headers and its ``content-length`` body (one ``recv`` may
+    return the headers alone)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def test_work_and_memory_are_counted_before_allocating(engine: dict[str, Any]) -> None:
     url, port, pid = engine["url"], int(engine["url"].rsplit(":", 1)[1]), engine["proc"].pid
     base = _reset_peak(pid)
@@ -281,7 +301,7 @@ def test_work_and_memory_are_counted_before_allocating(engine: dict[str, Any]) -
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(head)  # the body never comes: the declared length is refused on the headers
         s.settimeout(HEADER_TIMEOUT_S)
-        answer = s.recv(4096)
+        answer = _read_answer(s)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"for /generate" in answer, answer
     grew = _mb(pid, "VmHWM") - base
