@@ -25,6 +25,7 @@ Typical usage (every trainer rank; inside :class:`~weightsync.sync.updater.Weigh
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -59,12 +60,16 @@ class BroadcastGroups:
         self.prefix = prefix
         self.master_address = master_address
         self.timeout_s = timeout_s
+        self.members: list[int] = []
+        """The engines (indices) in the groups."""
         self.names: dict[str, str] = {}
         """Stage source rank (as a string) -> the name of its group, while the engines are in it."""
         self._generation = 0
 
-    def open(self, inputs: PlanInputs, pg: Any, *, device_type: str) -> tuple[dict[str, Any], list[Future]]:
-        """New groups, one per stage source (collective over ``pg``: the sources' ports are shared).
+    def open(self, inputs: PlanInputs, pg: Any, *, device_type: str, members: Sequence[int] | None = None
+             ) -> tuple[dict[str, Any], list[Future]]:
+        """New groups, one per stage source (collective over ``pg``: the sources' ports are shared),
+        of the engines ``members`` (indices; default every engine: the plan's).
 
         Returns:
             The groups' description for :class:`BroadcastSender` (``group=``), and, on rank 0, the
@@ -77,19 +82,22 @@ class BroadcastGroups:
         everyone: list[Any] = [None] * dist.get_world_size(pg)
         dist.all_gather_object(everyone, mine, group=pg)
         ports = {k: v for part in everyone for k, v in part.items()}
-        world = 1 + inputs.rollout.world_size
+        tp = inputs.rollout.tp
+        members = list(range(inputs.rollout.num_engines)) if members is None else list(members)
+        world = 1 + len(members) * tp
         backend = "nccl" if device_type == "cuda" else "gloo"
         names = {str(s): f"{self.prefix}_src{s}_{self._generation}" for s in sources}
         spec = {"master_address": host, "world_size": world, "backend": backend, "ports": ports,
                 "group_names": names, "timeout_s": self.timeout_s}
         joins: list[Future] = []
         if self.rank == 0 and self.engines is not None:  # the engines join while the sources host (both block)
-            tp = inputs.rollout.tp
+            clients = [self.engines.clients[e] for e in members]
             joins = [self.engines.submit(c.init_weights_update_group, master_address=host,
-                                         master_port=int(ports[str(s)]), rank_offset=1 + e * tp, world_size=world,
+                                         master_port=int(ports[str(s)]), rank_offset=1 + i * tp, world_size=world,
                                          group_name=names[str(s)], backend=backend)
-                     for s in sources for e, c in enumerate(self.engines.clients)]
+                     for s in sources for i, c in enumerate(clients)]
         self.names = names
+        self.members = members
         return spec, joins
 
     @staticmethod
@@ -124,7 +132,7 @@ class BroadcastGroups:
             names, dtypes, shapes = announcement(inputs, bucket.names)
             group_name = self.names[str(bucket.src_rank)]
             eng = self.engines
-            announce = eng.submit(eng.each, lambda c: c.update_weights_from_distributed(
+            announce = eng.submit(self._on_members, lambda c: c.update_weights_from_distributed(
                 names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=False),
                 what="update_weights_from_distributed")
             # An engine that refuses the bucket never receives it: the source's broadcast would
@@ -141,12 +149,25 @@ class BroadcastGroups:
             announce.result(timeout=http_timeout_s)
         return r
 
+    def _on_members(self, fn: Any, *, what: str) -> None:
+        """``fn(client)`` on every engine in the groups.
+
+        Raises:
+            EngineError: naming every engine that failed.
+        """
+        from weightsync.sync.engine_client import EngineError  # httpx: only where engines are driven
+
+        assert self.engines is not None
+        _, failed = self.engines.each_of(self.members, fn, what=what)
+        if failed:
+            raise EngineError("; ".join(failed.values()))
+
     def drop(self, name: str) -> None:
         """Every engine leaves group ``name`` (best effort; it is not joined again)."""
         assert self.engines is not None
-        for e, c in enumerate(self.engines.clients):
+        for e in self.members:
             try:
-                c.destroy_weights_update_group(name)
+                self.engines.clients[e].destroy_weights_update_group(name)
             except Exception as exc:  # it may never have joined
                 log.warning("[rank%d] %s: leaving weight-update group %s: %s", self.rank, self.engines.where(e),
                             name, exc)
@@ -157,9 +178,9 @@ class BroadcastGroups:
         if self.rank != 0 or self.engines is None:
             return
         for name in self.names.values():
-            for e, c in enumerate(self.engines.clients):
+            for e in self.members:
                 try:
-                    c.destroy_weights_update_group(name)
+                    self.engines.clients[e].destroy_weights_update_group(name)
                 except Exception as exc:  # best effort: the engine may be stopping
                     log.warning("[rank%d] engine %d: could not leave weight-update group %s: %s", self.rank, e, name,
                                 exc)

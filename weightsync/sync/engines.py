@@ -95,6 +95,23 @@ class Engines:
         """``fn`` in the engines' thread pool (a future)."""
         return self._pool.submit(fn, *args, **kwargs)
 
+    def each_of(self, engines: Sequence[int], fn: Callable[[EngineClient], T], *, what: str = ""
+                ) -> tuple[dict[int, T], dict[int, str]]:
+        """``fn(client)`` on the engines ``engines`` (indices) at once, none of them raising.
+
+        Returns:
+            Each engine's result, and each failed engine's error (``what`` and the engine named).
+        """
+        futures = {e: self._pool.submit(fn, self.clients[e]) for e in engines}
+        out: dict[int, T] = {}
+        failed: dict[int, str] = {}
+        for e, f in futures.items():
+            try:
+                out[e] = f.result()
+            except Exception as exc:  # every engine's failure is reported, not only the first
+                failed[e] = (f"{what}: " if what else "") + f"{self.where(e)}: {exc}"
+        return out, failed
+
     def rollout_parallel(self, spec: ModelSpec | None = None) -> RolloutParallel:
         """The engines' layout from ``/server_info`` (all engines must have the same); with
         ``spec``, its layout options as engine 0's rank 0 publishes them
@@ -284,12 +301,13 @@ class Engines:
         return self.each(lambda c: begin_recovering(c, pause_free=pause_free, flip=flip,
                                                     pause_generation=pause_generation), what="begin_weight_update")
 
-    def abort_sessions(self, wait_s: float) -> None:
-        """End every engine's session without publishing (:meth:`EngineClient.drop_session`: the
-        built-in engine's ``abort_weight_update``, sglang's ``end_weight_update``), waiting at most
-        ``wait_s`` (an engine that is gone or refuses is logged: its session was not opened, or the
-        next one replaces it)."""
-        futures = {self._pool.submit(c.drop_session): i for i, c in enumerate(self.clients)}
+    def abort_sessions(self, wait_s: float, engines: Sequence[int] | None = None) -> None:
+        """End every engine's session (or those of ``engines``) without publishing
+        (:meth:`EngineClient.drop_session`: the built-in engine's ``abort_weight_update``, sglang's
+        ``end_weight_update``), waiting at most ``wait_s`` (an engine that is gone or refuses is
+        logged: its session was not opened, or the next one replaces it)."""
+        which = range(len(self.clients)) if engines is None else engines
+        futures = {self._pool.submit(self.clients[i].drop_session): i for i in which}
         done, late = wait(futures, timeout=wait_s)
         for f in done:
             if f.exception() is not None:

@@ -37,9 +37,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ from weightsync.transport.records import Region
 from weightsync.transport.registry import sglang_kind
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,10 +79,14 @@ class SendStats:
     bytes_direct: int
     bytes_staged: int
     bytes_by_dest: dict[int, int]
+    """Bytes written into each rollout rank (not those skipped or failed)."""
+    failed: dict[int, str] = field(default_factory=dict)
+    """Rollout ranks whose writes failed (``send(tolerate=True)``), with the error."""
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_direct + self.bytes_staged
+        """Bytes written (every rank's, less those skipped or failed)."""
+        return sum(self.bytes_by_dest.values())
 
 
 SGLANG_TRANSPORT: str = sglang_kind().value
@@ -312,7 +318,8 @@ class P2PSender:
     # -- replay (every step) ------------------------------------------------------------------
 
     def send(self, *, deadline_s: float = 300.0, fingerprint: tuple[torch.Tensor, int] | None = None,
-             targets: Mapping[int, int] | None = None) -> SendStats:
+             targets: Mapping[int, int] | None = None, skip: Collection[int] = (),
+             tolerate: bool = False) -> SendStats:
         """Write every op of this rank once; returns when all bytes have landed.
 
         Args:
@@ -322,10 +329,14 @@ class P2PSender:
                 written into the slot vector (int64 on this rank's device), hashed from the
                 parameters and the packed staging while the writes are in flight. Needs
                 ``fingerprint_slots`` at construction.
+            skip: rollout ranks not written (engines dropped from the fleet's updates).
+            tolerate: a rank whose write fails or misses the deadline is not written further and
+                is named in :attr:`SendStats.failed`, while the other ranks are written to the end;
+                False: the first failure raises.
 
         Raises:
             TimeoutError: a write did not complete within ``deadline_s`` (engines must then be
-                treated as dirty: the caller keeps them paused).
+                treated as dirty: the caller keeps them paused); not with ``tolerate``.
             ValueError: a fingerprint asked of a sender built without slots, or a target copy the
                 engine did not publish.
         """
@@ -334,32 +345,55 @@ class P2PSender:
         t0 = time.perf_counter()
         deadline = deadline_after(deadline_s)
         pick = self._picker(targets or {})
-        direct = {r: pick(r, self._direct) for r in self._direct[0]}
+        failed: dict[int, str] = {}
+        skipped = set(skip)
+
+        def guarded(r: int, fn: Callable[[], T]) -> T | None:
+            if r in skipped or r in failed:
+                return None
+            try:
+                return fn()
+            except Exception as exc:  # a failed rank: the others are written on (tolerate)
+                if not tolerate:
+                    raise
+                failed[r] = f"{type(exc).__name__}: {exc}"
+                return None
+
+        def write(r: int, batch: WriteBatch) -> tuple[int, WriteHandle | None]:
+            return r, guarded(r, lambda: self.transport.write(self._peers[r], batch))
+
+        def wait(handles: Sequence[tuple[int, WriteHandle | None]]) -> None:
+            for r, h in handles:
+                if h is not None:
+                    guarded(r, lambda h=h: self.transport.wait(h, deadline))
+
+        direct = {r: pick(r, self._direct) for r in self._direct[0] if r not in skipped}
+        pending: list[tuple[int, WriteHandle | None]]
         if fingerprint is not None and self._fused is not None:  # each copy hashes what it copies
             fused = {r: pick(r, self._fused) for r in direct}
-            pending: list[WriteHandle] = [self.transport.launch(self._peers[r], partial(f.run, *fingerprint), f.nbytes)
-                                          for r, f in fused.items()]
+            def launch(r: int, f: Any) -> WriteHandle:
+                return self.transport.launch(self._peers[r], partial(f.run, *fingerprint), f.nbytes)
+
+            pending = [(r, guarded(r, lambda r=r, f=f: launch(r, f))) for r, f in fused.items()]
         else:
-            pending = [self.transport.write(self._peers[r], b) for r, b in direct.items()]
+            pending = [write(r, b) for r, b in direct.items()]
             if fingerprint is not None:
                 self.fingerprint.hash_direct(*fingerprint)  # type: ignore[union-attr]
-        in_flight: list[list[WriteHandle]] = [[], []]
+        in_flight: list[list[tuple[int, WriteHandle | None]]] = [[], []]
         pack_s = 0.0
         for i in range(len(self._buckets)):
             half = i % 2
-            for h in in_flight[half]:  # the half we pack into must have been written out
-                self.transport.wait(h, deadline)
+            wait(in_flight[half])  # the half we pack into must have been written out
             tp = time.perf_counter()
             self.packer.pack(i)
             if self._staging[half].is_cuda:
                 torch.cuda.current_stream().synchronize()
             pack_s += time.perf_counter() - tp
-            in_flight[half] = [self.transport.write(self._peers[r], pick(r, [c[i] for c in self._bucket_runs]))
-                               for r in self._bucket_runs[0][i]]
+            in_flight[half] = [write(r, pick(r, [c[i] for c in self._bucket_runs])) for r in self._bucket_runs[0][i]
+                               if r not in skipped]
             if fingerprint is not None:  # on the current stream: before the next pack into this half
                 self.fingerprint.hash_bucket(i, *fingerprint)  # type: ignore[union-attr]
-        for h in pending + in_flight[0] + in_flight[1]:
-            self.transport.wait(h, deadline)
+        wait(pending + in_flight[0] + in_flight[1])
         if fingerprint is not None and fingerprint[0].is_cuda:
             torch.cuda.current_stream().synchronize()  # the hashes read weights the caller may change next
         total = time.perf_counter() - t0
@@ -369,14 +403,9 @@ class P2PSender:
         for runs in self._bucket_runs[0]:
             for r, b in runs.items():
                 by_dest[r] += b.nbytes
-        return SendStats(
-            total_s=total,
-            pack_s=pack_s,
-            wire_s=total - pack_s,
-            bytes_direct=self.bytes_direct,
-            bytes_staged=self.bytes_staged,
-            bytes_by_dest=dict(by_dest),
-        )
+        by_dest = {r: n for r, n in by_dest.items() if r not in skipped and r not in failed}
+        return SendStats(total_s=total, pack_s=pack_s, wire_s=total - pack_s, bytes_direct=self.bytes_direct,
+                         bytes_staged=self.bytes_staged, bytes_by_dest=by_dest, failed=failed)
 
     def _picker(self, targets: Mapping[int, int]) -> Callable[[int, Sequence[Mapping[int, WriteBatch]]], WriteBatch]:
         """``pick(rank, per_copy_batches)``: the batch of the copy ``targets`` names for ``rank``."""

@@ -241,38 +241,43 @@ class ShareChecksum:
         add_words(total, values, torch.from_numpy(keys[:, 1]), base=torch.from_numpy(keys[:, 0]))
 
     def compare(self, engines: Engines, expected: Mapping[int, Mapping[str, str]], seed: int = 0,
-                answers: Sequence[Any] | None = None) -> list[str]:
-        """Every engine's checksums (one call each, all at once) against ``expected``: one line per
-        (engine, rank) that differs, naming the tensors. (``seed``, ``answers``: the fingerprint's;
-        sglang's checksum is asked for after ``end_weight_update``, never inside it.)"""
+                answers: Mapping[int, Any] | None = None, only: Sequence[int] | None = None) -> dict[int, str]:
+        """The checksums of the engines ``only`` (default every one; one call each, all at once)
+        against ``expected``: each engine that differs or did not answer, with why (per rank,
+        naming the tensors). (``seed``, ``answers``: the fingerprint's; sglang's checksum is asked
+        for after ``end_weight_update``, never inside it.)"""
         tp = self.inputs.rollout.tp
-        answers = engines.each(lambda c: c.weights_checker("checksum"), what="weights_checker checksum")
-        return compare_answers(engines, answers, [expected[r] for r in range(tp)])
+        which = range(len(engines.clients)) if only is None else only
+        got, bad = engines.each_of(which, lambda c: c.weights_checker("checksum"), what="weights_checker checksum")
+        for e, lines in compare_answers(engines, got, [expected[r] for r in range(tp)]).items():
+            bad[e] = "checksums differ: " + "; ".join(lines)
+        return dict(sorted(bad.items()))
 
     def close(self) -> None:
         self._ops.clear()
 
 
-def compare_answers(engines: Engines, answers: Sequence[Mapping[str, Any]],
-                    expected: Sequence[Mapping[str, str]]) -> list[str]:
-    """Engines' checksum answers against the expected checksums of each rank inside an engine."""
-    bad: list[str] = []
-    for e, answer in enumerate(answers):
+def compare_answers(engines: Engines, answers: Mapping[int, Mapping[str, Any]],
+                    expected: Sequence[Mapping[str, str]]) -> dict[int, list[str]]:
+    """Engines' checksum answers (engine index -> answer) against the expected checksums of each
+    rank inside an engine: each engine that differs, one line per rank."""
+    bad: dict[int, list[str]] = {}
+    for e, answer in answers.items():
         try:
             got_by_rank = checksums_by_rank(answer)
         except ValueError as exc:
-            bad.append(f"{engines.where(e)}: {exc}")
+            bad[e] = [f"{engines.where(e)}: {exc}"]
             continue
         for r, want in enumerate(expected):
             got = got_by_rank.get(r)
             if got is None:
-                bad.append(f"{engines.where(e)}: no checksums of rank {r}")
+                bad.setdefault(e, []).append(f"{engines.where(e)}: no checksums of rank {r}")
                 continue
             diff = sorted([n for n, v in want.items() if got.get(n) != v] + [n for n in got if n not in want])
             if diff:
                 more = f" and {len(diff) - MAX_NAMED} more" if len(diff) > MAX_NAMED else ""
-                bad.append(f"{engines.where(e)}, rank {r}: {len(diff)} of {len(want)} tensors differ: "
-                           f"{', '.join(diff[:MAX_NAMED])}{more}")
+                bad.setdefault(e, []).append(f"{engines.where(e)}, rank {r}: {len(diff)} of {len(want)} tensors "
+                                             f"differ: {', '.join(diff[:MAX_NAMED])}{more}")
     return bad
 
 

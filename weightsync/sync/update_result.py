@@ -71,6 +71,15 @@ class UpdateStats:
     """Attempts it took (more than 1 with ``UpdaterConfig.update_retries``)."""
     failed_attempts: list[str] = field(default_factory=list)
     """Why each earlier attempt failed."""
+    engines: list[str] = field(default_factory=list)
+    """The engines that published this version (base URLs)."""
+    dropped: dict[int, str] = field(default_factory=dict)
+    """Engines dropped from this update (``UpdaterConfig.on_engine_failure`` drop), by index in
+    the updater's engines, with the error that dropped each (it names the engine and its URL);
+    each is told it is stale and left out of later updates until it is back at the published version."""
+    group_rebuild_s: float = 0.0
+    """Broadcast over a group: seconds spent rebuilding the weight-update groups for the engines
+    left (after a drop in this update or an earlier one); p2p rebuilds nothing (0)."""
 
     @classmethod
     def from_ranks(cls, *, version: str, mode: Mode, path: str, results: list[dict[str, Any]], ends: list[Any],

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,7 @@ from weightsync.plan.ops import CopyOp
 from weightsync.plan.records import Mode
 from weightsync.sync.broadcast_groups import BroadcastGroups
 from weightsync.sync.broadcast_sender import BroadcastSender
+from weightsync.sync.fleet import EngineRegistry, survey
 from weightsync.sync.from_megatron import megatron_train_parallel
 from weightsync.sync.names import module_tensors, place_params
 from weightsync.sync.p2p_pack import fp8_blocks
@@ -109,7 +110,7 @@ class WeightUpdater:
     """Moves one trainer rank's weights into the engines (see the module docstring)."""
 
     def __init__(self, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, spec: ModelSpec,
-                 train: TrainParallel, engine_urls: Sequence[str] | None, group: Any,
+                 train: TrainParallel, engine_urls: Sequence[str] | EngineRegistry | None, group: Any,
                  config: UpdaterConfig | None = None, rollout: RolloutParallel | None = None,
                  published: Mapping[int, Mapping[str, Any]] | None = None,
                  broadcast_group: Mapping[str, Any] | None = None,
@@ -122,8 +123,9 @@ class WeightUpdater:
                 tensors that stay allocated; updated in place by the training step.
             spec: the model (``weightsync.models.resolve.model_spec``).
             train: the training job's parallel sizes; ``world_size`` must be ``group``'s size.
-            engine_urls: one base URL per engine; None only with ``published`` (no engine to
-                drive: :meth:`write` only, as the benchmark uses it).
+            engine_urls: one base URL per engine, or an :class:`EngineRegistry` that
+                :meth:`refresh` reads again; None only with ``published`` (no engine to drive:
+                :meth:`write` only, as the benchmark uses it).
             group: the trainer ranks' process group (gloo: the control messages are host objects).
             config: how to update (default :class:`UpdaterConfig`).
             rollout: the engines' layout; default: read from their ``/server_info``.
@@ -150,8 +152,15 @@ class WeightUpdater:
         self.params = agree(self.pg, lambda: place_params(params, spec, train, self.rank), "placing the parameters")
         self.device = next(iter(self.params.values())).device
         self.engines: Engines | None = None
+        self.registry = engine_urls if isinstance(engine_urls, EngineRegistry) else None
+        self.excluded: dict[int, str] = {}
+        """Engines (indices into :attr:`engines`) dropped from an update and not back yet, with why."""
+        self.published_version: str | None = None
+        """The last version this updater published."""
+        self._fleet = list(engine_urls.urls() if self.registry else engine_urls or ())
+        """Every engine's URL (those planned for and those left out)."""
         if engine_urls is not None:
-            self.engines = _engines(engine_urls, self.config)
+            self.engines = _engines(self._fleet, self.config)
         elif published is None or rollout is None:
             raise ValueError("give engine_urls, or rollout and published (no engine to drive)")
         self._source_regions = source_regions
@@ -309,7 +318,7 @@ class WeightUpdater:
                                           self.params, group=None, device=self.device.type, pg=self.pg)
         return self._bcast
 
-    def _set_up_broadcast(self) -> None:
+    def _set_up_broadcast(self, members: Sequence[int] | None = None) -> None:
         self._buckets = plan_broadcast(self.inputs, bucket_bytes=self.config.bucket_bytes, dst_rank=0).buckets
         tp = self.inputs.rollout.tp
         if self.config.colocated:
@@ -327,7 +336,9 @@ class WeightUpdater:
             self._bcast = agree(self.pg, lambda: sender(given), "broadcast set-up")
             return
         assert self.engines is not None
-        group, joins = self._groups.open(self.inputs, self.pg, device_type=self.device.type)
+        if members is None:
+            members = [e for e in range(len(self.engines.clients)) if e not in self.excluded]
+        group, joins = self._groups.open(self.inputs, self.pg, device_type=self.device.type, members=members)
 
         def join() -> BroadcastSender:
             joined = sender(group)
@@ -376,7 +387,7 @@ class WeightUpdater:
             try:
                 if attempt > 1 or self._stale:
                     self._rebuild()
-                stats = run_attempt(self, version, m, verify=self._due() or attempt > 1)
+                stats = run_attempt(self, version, m, verify=self._due() or attempt > 1, excluded=self.excluded)
             except UpdateError as exc:
                 failures.append(str(exc))
                 if attempt == attempts:
@@ -392,6 +403,11 @@ class WeightUpdater:
                 if self.rank == 0 and self.engines is not None:
                     self.engines.abort_sessions(min(ABORT_WAIT_S, self.config.http_timeout_s))
                 raise
+            self.excluded.update(stats.dropped)
+            self.published_version = version
+            if stats.dropped:
+                log.warning("[rank%d] update to version %s published by %d engine(s); dropped: %s", self.rank,
+                            version, len(stats.engines), "; ".join(stats.dropped.values()))
             log.info("[rank%d] update to version %s: %s, engines idle %.1f ms", self.rank, version,
                      f"pause-free ({stats.flip})" if stats.pause_free else f"paused ({stats.pause_reason})",
                      stats.engine_idle_s * 1e3)
@@ -407,6 +423,8 @@ class WeightUpdater:
         """
         try:
             self._close_senders()
+            if self.excluded:  # a dropped engine that is gone leaves the plan; one that is back rejoins
+                self._plan_for(self._fleet)
             self._set_up(self._discover())
         except ValueError as exc:
             raise UpdateError(f"setting the update up again: {exc}") from None
@@ -427,6 +445,20 @@ class WeightUpdater:
         """The broadcast plan's buckets (None for p2p, whose ranks count their own)."""
         return None if mode is Mode.P2P else len(self._buckets)
 
+    def regroup(self, engines: Sequence[int]) -> bool:
+        """Broadcast over a group: rebuild the weight-update groups for ``engines`` (indices) where
+        they hold others (collective; after a drop). p2p and colocated broadcast have no group.
+
+        Returns:
+            Whether the groups were rebuilt.
+        """
+        if (Mode.BROADCAST not in self.config.modes or self.config.colocated
+                or self._broadcast_group_given is not None or list(engines) == self._groups.members):
+            return False
+        self._close_broadcast(sources_first=True)
+        self._set_up_broadcast(members=engines)
+        return True
+
     def mark_stale(self) -> None:
         """An attempt failed: the next update rebuilds the senders first."""
         self._stale = True
@@ -438,7 +470,8 @@ class WeightUpdater:
         return self._verifier
 
     def write(self, mode: str | Mode = Mode.P2P, *, targets: Mapping[int, int] | None = None,
-              fingerprint: tuple[torch.Tensor, int] | None = None) -> dict[str, Any]:
+              fingerprint: tuple[torch.Tensor, int] | None = None, skip: Collection[int] = (),
+              tolerate: bool = False) -> dict[str, Any]:
         """Only the write phase of an update, on this rank (collective over the group for
         broadcast): no engine control call except broadcast's per-bucket announcement.
 
@@ -448,17 +481,22 @@ class WeightUpdater:
                 0; broadcast: the engines write their session's copy themselves).
             fingerprint: p2p only: ``(slot vector, seed)`` to hash what is written into, while it
                 is written (:meth:`P2PSender.send`).
+            skip: p2p only: rollout ranks not written (engines left out of this update).
+            tolerate: p2p only: a rank whose write fails is named in ``failed``, the others are
+                written to the end (broadcast's groups are rebuilt instead: :meth:`regroup`).
 
         Returns:
-            This rank's ``{"pack_s", "wire_s", "bytes", "bytes_by_dest", "buckets", "total_s"}``.
+            This rank's ``{"pack_s", "wire_s", "bytes", "bytes_by_dest", "buckets", "total_s",
+            "failed"}`` (``failed``: rollout rank -> error).
         """
         m = Mode.transfer(mode)
         if m is Mode.P2P:
             if self.p2p_sender is None:
                 raise ValueError("p2p was not set up (UpdaterConfig(mode='p2p' or 'both'))")
-            s = self.p2p_sender.send(deadline_s=self.config.deadline_s, targets=targets, fingerprint=fingerprint)
+            s = self.p2p_sender.send(deadline_s=self.config.deadline_s, targets=targets, fingerprint=fingerprint,
+                                     skip=skip, tolerate=tolerate)
             return {"pack_s": s.pack_s, "wire_s": s.wire_s, "total_s": s.total_s, "bytes": s.nbytes,
-                    "bytes_by_dest": s.bytes_by_dest, "buckets": self.p2p_sender.num_buckets}
+                    "bytes_by_dest": s.bytes_by_dest, "buckets": self.p2p_sender.num_buckets, "failed": s.failed}
         if Mode.BROADCAST not in self.config.modes:
             raise ValueError("broadcast was not set up (UpdaterConfig(mode='broadcast' or 'both'))")
         t0 = time.perf_counter()
@@ -474,7 +512,7 @@ class WeightUpdater:
             wire += r["wire_s"]
             sent += r["bytes"]
         return {"pack_s": pack, "wire_s": wire, "total_s": time.perf_counter() - t0, "bytes": sent,
-                "bytes_by_dest": {}, "buckets": len(self._buckets)}
+                "bytes_by_dest": {}, "buckets": len(self._buckets), "failed": {}}
 
     def full_tensors(self) -> Iterator[dict[str, torch.Tensor]]:
         """The trainer's full (global) tensors, bucket by bucket of the broadcast plan, in the
@@ -488,8 +526,13 @@ class WeightUpdater:
     # -- engines between updates ----------------------------------------------------------------
 
     def refresh(self, engine_urls: Sequence[str] | None = None) -> bool:
-        """Pick up engines added (``engine_urls``: the new list, the same on every rank) or
-        restarted since the last update (collective over the group).
+        """Pick up engines added, removed (``engine_urls``: the new list, the same on every rank;
+        default: the :class:`EngineRegistry`'s now, else the list as it was) or restarted since
+        the last update, and engines dropped from an update that are back (collective).
+
+        A dropped engine that answers is asked to join from a peer (:func:`~weightsync.sync.fleet.survey`:
+        taking part again once it serves the published version, or at once where it has no such
+        route: the next update writes all of it); one that does not answer is left out of the plan.
 
         Returns:
             True when something changed and the senders were rebuilt (new plan share when the
@@ -501,12 +544,9 @@ class WeightUpdater:
         if self.engines is None:
             raise UpdateError("this updater drives no engines (it was built from published tables)")
         old = self.discovered
-        new_urls = engine_urls is not None and list(engine_urls) != self.engines.urls
-        if new_urls:
-            self._groups.leave()
-            self.engines.close()
-            self.engines = _engines(engine_urls or (), self.config)
-            self._groups.engines = self.engines
+        fleet = list(engine_urls) if engine_urls is not None else self.registry.urls() if self.registry else \
+            self._fleet
+        new_urls = self._plan_for(fleet)
         found = self._discover()
         # A restarted engine publishes new addresses (p2p sees it); it has also left the
         # weight-update groups, which nothing published shows: those are always joined again.
@@ -516,6 +556,29 @@ class WeightUpdater:
         self._close_senders()
         self._set_up(found)
         self._stale = False
+        return True
+
+    def _plan_for(self, fleet: Sequence[str]) -> bool:
+        """The engines planned for from now, of ``fleet`` (:func:`~weightsync.sync.fleet.survey`;
+        collective); whether they changed."""
+        from weightsync.sync.engine_client import EngineClient  # httpx: only where engines are driven
+
+        assert self.engines is not None
+        out = {self.engines.urls[e]: why for e, why in self.excluded.items()}
+        out.update({u: "new" for u in fleet if u not in self.engines.urls})
+        cfg = self.config
+        planned, left = from_rank0(self.pg, lambda: survey(fleet, out, self.published_version, lambda u: EngineClient(
+            u, timeout_s=cfg.http_timeout_s, token=cfg.token)))
+        if not planned:
+            raise UpdateError(f"no engine answers: {', '.join(fleet)}")
+        self._fleet = list(fleet)
+        self.excluded = {planned.index(u): why for u, why in left.items()}
+        if planned == self.engines.urls:
+            return False
+        self._groups.leave()
+        self.engines.close()
+        self.engines = _engines(planned, self.config)
+        self._groups.engines = self.engines
         return True
 
     # -- resources ------------------------------------------------------------------------------
@@ -539,22 +602,30 @@ class WeightUpdater:
         return None if self.p2p_sender is None else self.p2p_sender.transport
 
     def _close_senders(self) -> None:
-        self._groups.leave()  # the engines first: then the sources' side of the groups
+        self._close_broadcast()
         if self.p2p_sender is not None:
             self.p2p_sender.close()
             self.p2p_sender = None
-        if self._bcast is not None:
-            group = self._bcast.group
-            if group is not None and hasattr(group, "shutdown"):
-                group.shutdown()
-            self._bcast.close()
-            self._bcast = None
         if self._tensor is not None:
             self._tensor.close()
             self._tensor = None
         if self._verifier is not None:
             self._verifier.close()
             self._verifier = None
+
+    def _close_broadcast(self, sources_first: bool = False) -> None:
+        """The weight-update groups closed: the engines leave, then the sources' side ends; after
+        a failed broadcast (``sources_first``) the other way round -- the survivors may still wait
+        in the broken broadcast, which the sources' end breaks off."""
+        if not sources_first:
+            self._groups.leave()
+        if self._bcast is not None:
+            group = self._bcast.group
+            if group is not None and hasattr(group, "shutdown"):
+                group.shutdown()
+            self._bcast.close()
+            self._bcast = None
+        self._groups.leave()
 
     def close(self) -> None:
         """Release registrations, connections, buffers and the engines' weight-update groups

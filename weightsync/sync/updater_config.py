@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from weightsync.plan.broadcast import DEFAULT_BUCKET_BYTES
 from weightsync.plan.records import Mode
+from weightsync.sync.fleet import ON_ENGINE_FAILURE
 from weightsync.sync.update_options import FLIPS, PAUSE_FREE
 from weightsync.transport import TransportConfig
 
@@ -60,6 +61,12 @@ class UpdaterConfig:
     update writes the other one; an engine whose served copy no sender can address -- shm --
     copies instead) or ``copy`` (the shadow is copied into the served copy, whose addresses never
     change)."""
+    on_engine_failure: str = "auto"
+    """An engine that fails during an update (an error or refusal, death, a fingerprint mismatch,
+    the write deadline): ``drop`` -- it is dropped from that update, the others verify and
+    publish, it is told it is stale and left out of later updates until ``refresh()`` finds it
+    back (:mod:`weightsync.sync.fleet`); ``abort`` -- the update fails on every engine, nothing
+    is published; ``auto`` -- drop where more than one engine takes part, abort with one."""
     token: str | None = field(default=None, repr=False)
     """The engines' access token, sent as ``Authorization: Bearer <token>`` on every engine call
     (an engine started with a token answers 401 / 403 without it); None: no token."""
@@ -76,6 +83,9 @@ class UpdaterConfig:
             raise ValueError(f"pause_free must be one of {', '.join(PAUSE_FREE)}, got {self.pause_free!r}")
         if self.flip not in FLIPS:
             raise ValueError(f"flip must be one of {', '.join(FLIPS)}, got {self.flip!r}")
+        if self.on_engine_failure not in ON_ENGINE_FAILURE:
+            raise ValueError(f"on_engine_failure must be one of {', '.join(ON_ENGINE_FAILURE)}, got "
+                             f"{self.on_engine_failure!r}")
         if self.update_retries < 0:
             raise ValueError(f"update_retries must be >= 0 (0: the first failed attempt raises), got "
                              f"{self.update_retries}")

@@ -161,41 +161,50 @@ class Verifier:
         return out
 
     def compare(self, engines: Engines, expected: Mapping[int, Mapping[str, int]], seed: int,
-                answers: Sequence[Any] | None = None) -> list[str]:
-        """The engines' fingerprints against ``expected``: one line per (engine, rank) that
-        differs, naming the tensors.
+                answers: Mapping[int, Any] | None = None, only: Sequence[int] | None = None) -> dict[int, str]:
+        """The engines' fingerprints (of the engines ``only``, default every one) against ``expected``.
 
         Args:
             engines: the engines (asked with one ``/weights_checker fingerprint`` call each, all at
                 once, unless ``answers`` are given).
             expected: :meth:`expected`'s answer.
             seed: the seed the partials were hashed with.
-            answers: every engine's fingerprints with that seed already (in engine order, as
+            answers: engine index -> its fingerprints with that seed already (as
                 ``end_weight_update`` with ``fingerprint_seed`` answers them); None: ask.
+            only: the engines compared (indices); None: every one.
 
-        Raises:
-            ValueError: an answer holds another seed's fingerprints or none.
+        Returns:
+            Each engine that differs, did not answer, or answered another seed's fingerprints:
+            why (what differs per rank, naming the tensors).
         """
         tp = self.inputs.rollout.tp
+        which = list(range(len(engines.clients)) if only is None else only)
+        bad: dict[int, str] = {}
         if answers is None:
-            answers = engines.each(lambda c: c.weights_checker("fingerprint", seed=seed),
-                                   what="weights_checker fingerprint")
-        for e, answer in enumerate(answers):
+            answers, bad = engines.each_of(which, lambda c: c.weights_checker("fingerprint", seed=seed),
+                                           what="weights_checker fingerprint")
+        for e in which:
+            if e in bad:
+                continue
+            answer = answers.get(e)
             seeds = {x.get("seed") for x in answer["ranks"]} if isinstance(answer, dict) else set()
             if seeds != {seed}:
-                raise ValueError(f"{engines.where(e)} answered no fingerprints with this attempt's seed")
-        bad: list[str] = []
-        for e, answer in enumerate(answers):
+                bad[e] = f"{engines.where(e)} answered no fingerprints with this attempt's seed"
+                continue
+            assert isinstance(answer, dict)
             got_by_rank = {int(x["rank"]): x["fingerprints"] for x in answer["ranks"]}
+            lines = []
             for r in range(tp):
                 want, got = expected[e * tp + r], got_by_rank.get(r, {})
                 diff = sorted([n for n, v in want.items() if got.get(n) != to_hex(v)]
                               + [n for n in got if n not in want])
                 if diff:
                     more = f" and {len(diff) - MAX_NAMED} more" if len(diff) > MAX_NAMED else ""
-                    bad.append(f"{engines.where(e)}, rank {r}: {len(diff)} of {len(want)} tensors differ: "
-                               f"{', '.join(diff[:MAX_NAMED])}{more}")
-        return bad
+                    lines.append(f"{engines.where(e)}, rank {r}: {len(diff)} of {len(want)} tensors differ: "
+                                 f"{', '.join(diff[:MAX_NAMED])}{more}")
+            if lines:
+                bad[e] = "fingerprints differ: " + "; ".join(lines)
+        return dict(sorted(bad.items()))
 
     @property
     def scratch_bytes(self) -> int:

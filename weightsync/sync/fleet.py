@@ -1,0 +1,250 @@
+"""Who takes part in an update: the engine registry, and the engines of one attempt.
+
+A fleet changes while it trains: engines fail, are replaced, are added. Two small records say who
+serves and who takes part:
+
+* :class:`EngineRegistry` -- the engines that serve (base URLs), fed by whoever starts them (the
+  launcher, a user's own scheduler); :meth:`WeightUpdater.refresh
+  <weightsync.sync.updater.WeightUpdater.refresh>` reads it between updates;
+* :class:`Participants` -- the engines of one update attempt, on rank 0: those of the plan less
+  the excluded ones, less those that fail on the way. With ``UpdaterConfig.on_engine_failure``
+  ``drop`` a failing engine is dropped from the attempt (its error kept) and the others go on;
+  with ``abort`` the first failure ends the attempt on every engine.
+
+Typical usage::
+
+    registry = EngineRegistry(["http://10.0.0.5:30000", "http://10.0.0.6:30000"])
+    updater = WeightUpdater(params, ..., engine_urls=registry, ...)
+    registry.add("http://10.0.0.7:30000")      # a new or replacement engine
+    updater.refresh()                          # planned to, brought up to date, in the next update
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # the HTTP client (httpx) is imported only by an updater that drives engines
+    from weightsync.sync.engine_client import EngineClient
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+PROBE_S = 5.0
+"""How long a ``/health`` probe of an engine waits (after a failure; at ``refresh()``)."""
+
+
+class FleetError(RuntimeError):
+    """An attempt cannot go on: the policy is abort and an engine failed, or every engine failed."""
+
+ON_ENGINE_FAILURE = ("auto", "drop", "abort")
+"""``UpdaterConfig.on_engine_failure``: ``auto`` drops where more than one engine takes part."""
+
+
+class EngineRegistry:
+    """The engines that serve, as base URLs in the order they were added (thread-safe)."""
+
+    def __init__(self, urls: Iterable[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self._urls: list[str] = []
+        for u in urls:
+            self.add(u)
+
+    def add(self, url: str) -> None:
+        """A new (or restarted) engine; adding one already there changes nothing."""
+        url = url.rstrip("/")
+        with self._lock:
+            if url not in self._urls:
+                self._urls.append(url)
+
+    def remove(self, url: str) -> None:
+        """An engine that no longer serves (gone for good; a restarted one is added again).
+
+        Raises:
+            KeyError: ``url`` is not registered.
+        """
+        url = url.rstrip("/")
+        with self._lock:
+            if url not in self._urls:
+                raise KeyError(f"{url} is not a registered engine")
+            self._urls.remove(url)
+
+    def urls(self) -> list[str]:
+        """The registered engines, now."""
+        with self._lock:
+            return list(self._urls)
+
+    def __len__(self) -> int:
+        return len(self.urls())
+
+
+def drops(policy: str, num_engines: int) -> bool:
+    """Whether ``policy`` (:data:`ON_ENGINE_FAILURE`) drops a failing engine from a fleet of
+    ``num_engines`` (``auto``: drop with more than one)."""
+    return policy == "drop" or (policy == "auto" and num_engines > 1)
+
+
+class Participants:
+    """The engines of one attempt (rank 0; module docstring)."""
+
+    def __init__(self, engines: Any, excluded: Mapping[int, str], *, drop: bool) -> None:
+        """Args:
+            engines: the plan's :class:`~weightsync.sync.engines.Engines`.
+            excluded: engines left out of this update (dropped earlier, not back yet), with why.
+            drop: a failing engine is dropped (else the first failure raises).
+
+        Raises:
+            FleetError: every engine is excluded.
+        """
+        self.engines = engines
+        self.drop_failed = drop
+        self.active = [e for e in range(len(engines.clients)) if e not in excluded]
+        self.dropped: dict[int, str] = {}
+        """Engines dropped from this attempt, with the error that dropped them."""
+        self.group_rebuild_s = 0.0
+        """Seconds spent rebuilding broadcast's weight-update groups for the survivors (p2p: none)."""
+        if not self.active:
+            raise FleetError("no engine takes part: every one was dropped from an earlier update and has not "
+                              "rejoined (" + "; ".join(excluded.values()) + ")")
+
+    def each(self, fn: Callable[[EngineClient], T], *, what: str) -> dict[int, T]:
+        """``fn(client)`` on every active engine; a failing one is dropped (:meth:`drop`).
+
+        Returns:
+            The surviving engines' results.
+        """
+        out, failed = self.engines.each_of(self.active, fn, what=what)
+        self.drop(failed)
+        return out
+
+    def each_of(self, engines: Sequence[int], fn: Callable[[EngineClient], T], *, what: str) -> dict[int, T]:
+        """``fn(client)`` on ``engines`` (a subset of the active ones), dropping those that fail."""
+        out, failed = self.engines.each_of(engines, fn, what=what)
+        self.drop(failed)
+        return out
+
+    def unreachable(self) -> dict[int, str]:
+        """The active engines that do not answer ``/health`` now (after a failure nobody named)."""
+        _, failed = self.engines.each_of(self.active, probe, what="/health")
+        return failed
+
+    def leave_dropped(self, version: str, wait_s: float) -> None:
+        """The dropped engines' sessions aborted and each told it missed ``version`` (``/mark_stale``:
+        it refuses ``/generate`` until it rejoins); best effort -- a dead engine answers neither."""
+        if not self.dropped:
+            return
+        self.engines.abort_sessions(wait_s, list(self.dropped))
+        _, failed = self.engines.each_of(list(self.dropped), lambda c: c.mark_stale(version), what="mark_stale")
+        for why in failed.values():
+            log.warning("a dropped engine was not marked stale: %s", why)
+
+    def drop(self, failed: Mapping[int, str]) -> None:
+        """Drop the engines of ``failed`` (index -> error) from this attempt.
+
+        Raises:
+            FleetError: the policy is abort (every error named), or no engine is left.
+        """
+        if not failed:
+            return
+        if not self.drop_failed:
+            raise FleetError("; ".join(failed.values()))
+        for e, why in failed.items():
+            if e in self.active:
+                self.active.remove(e)
+                self.dropped[e] = why
+        if not self.active:
+            raise FleetError("every engine failed: " + "; ".join(self.dropped.values()))
+
+    def ranks(self, tp: int) -> list[int]:
+        """The active engines' rollout ranks (``tp`` per engine)."""
+        return [e * tp + r for e in self.active for r in range(tp)]
+
+    def skipped_ranks(self, tp: int) -> set[int]:
+        """The rollout ranks of every engine not active."""
+        return set(range(len(self.engines.clients) * tp)) - set(self.ranks(tp))
+
+    def engines_of(self, ranks: Iterable[int], tp: int) -> list[int]:
+        return sorted({r // tp for r in ranks})
+
+    def urls(self) -> list[str]:
+        """The active engines' base URLs."""
+        return [self.engines.clients[e].base_url for e in self.active]
+
+
+def probe(c: EngineClient) -> tuple[int, dict[str, Any]]:
+    """``/health`` once (within :data:`PROBE_S`): its status and body (a real sglang server's: none).
+
+    Raises:
+        ConnectionError: the engine does not answer.
+    """
+    status, body = c.health(PROBE_S)
+    if status is None:
+        raise ConnectionError(f"{c.base_url}/health: no answer ({body.get('error', '')})")
+    return status, body
+
+
+JOIN_MISSING = (404, 405, 501)
+"""Answers of an engine without ``/join_from_peer``: it is brought up to date by the next update."""
+
+
+def survey(fleet: Sequence[str], excluded: Mapping[str, str], published: str | None,
+           client: Callable[[str], EngineClient]) -> tuple[list[str], dict[str, str]]:
+    """Who takes part in the next update (rank 0, at ``refresh()``).
+
+    An engine of ``fleet`` not in ``excluded`` takes part. An excluded one (dropped earlier, or
+    new) is asked: unreachable -- left out of the plan until it answers; serving ``published`` --
+    back; otherwise asked to join from the engines that take part (``/join_from_peer``): joining
+    -- planned, left out of updates until a later ``refresh()`` finds it serving ``published``;
+    without that route -- back, the next update writes all of it.
+
+    Args:
+        fleet: every engine's URL, in order.
+        excluded: URL -> why it is out (from an earlier update's drop).
+        published: the version the fleet serves (None: nothing published yet).
+        client: an engine client for a URL (closed here).
+
+    Returns:
+        The engines planned for (URLs, ``fleet``'s order) and those among them left out, with why.
+    """
+    peers = [u for u in fleet if u not in excluded]
+    planned: list[str] = []
+    out: dict[str, str] = {}
+    for url in fleet:
+        if url not in excluded:
+            planned.append(url)
+            continue
+        c = client(url)
+        try:
+            why = _rejoin(c, peers, published)
+        except Exception as exc:  # unreachable: not planned for until it answers
+            log.warning("%s is not back (%s): left out of the plan", url, exc)
+            continue
+        finally:
+            c.close()
+        planned.append(url)
+        if why is not None:
+            out[url] = why
+    return planned, out
+
+
+def _rejoin(c: EngineClient, peers: Sequence[str], published: str | None) -> str | None:
+    """Why ``c``'s engine stays out of the next update (None: it takes part); see :func:`survey`."""
+    from weightsync.sync.engine_client import EngineError  # httpx: only where engines are driven
+
+    status, h = probe(c)
+    state, version = h.get("state"), h.get("weight_version")
+    if state == "joining":
+        return f"{c.base_url}: joining ({h.get('reason', '')})"
+    if published is None or (status == 200 and state in (None, "serving") and str(version) == published):
+        return None
+    if not peers:
+        return None
+    try:
+        c.join_from_peer(list(peers))
+    except EngineError as exc:
+        if exc.status in JOIN_MISSING:
+            return None
+        raise
+    return f"{c.base_url}: joining version {published} from {', '.join(peers)}"
