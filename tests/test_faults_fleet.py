@@ -5,7 +5,9 @@ Three ``weightsync serve`` engines (Qwen3-4B tiny, TP 1, shm, dummy weights) and
 
 * ``on_engine_failure="drop"``: the update publishes on the two others (verified), names the dead
   one in ``UpdateStats.dropped``, and later updates leave it out without rebuilding anything (p2p);
-  restarted on its URL, ``refresh()`` takes it back and the next update verifies all three;
+  restarted on its URL (fresh weights), ``refresh()`` has it join the published version from a
+  peer (``/join_from_peer``): it serves that version, fingerprint-identical to the peers, before
+  any update; the next update verifies all three;
 * ``abort``: the update fails on every engine and the survivors keep serving the old version.
 """
 
@@ -19,6 +21,7 @@ from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests import test_sync_updater_engine as base
@@ -70,6 +73,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         f.close()
 
 
+def _fingerprints(url: str) -> list[dict[str, str]]:
+    """Every rank's per-tensor fingerprints of what ``url``'s engine serves."""
+    r = httpx.post(f"{url}/weights_checker", json={"action": "fingerprint", "seed": 7}, timeout=60)
+    r.raise_for_status()
+    return [x["fingerprints"] for x in r.json()["ranks"]]
+
+
 def _kill_during_write(updater: WeightUpdater, fleet: Fleet, i: int) -> None:
     """Engine ``i`` is SIGKILLed as the next write starts."""
     real = updater.write
@@ -115,10 +125,15 @@ def test_p2p_drops_a_killed_engine_and_takes_it_back(fleet: Fleet, group: object
         assert stats.engines == [fleet.urls[0], fleet.urls[2]]
         assert updater.p2p_sender is sender, "p2p rebuilt its sender after a drop"
         assert updater.excluded.keys() == {1}
-        # back on its URL: refresh() takes it back (it has no peer join: the next update writes it all)
+        # back on its URL (fresh dummy weights): refresh() has it join version 3 from a peer,
+        # verified engine to engine, before any update -- bit-identical to the peers
         fleet.start(1)
+        assert _state(fleet.urls[1])["weight_version"] != "3"
         assert updater.refresh() is True
         assert updater.excluded == {}
+        s = _state(fleet.urls[1])
+        assert (s["state"], s["weights_dirty"], s["weight_version"]) == ("serving", False, "3"), s
+        assert _fingerprints(fleet.urls[1]) == _fingerprints(fleet.urls[0])
         _step(params, 4)
         stats = updater.update(4)
         assert stats.verified

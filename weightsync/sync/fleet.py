@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from weightsync.sync.rank_group import from_rank0
 
 if TYPE_CHECKING:  # the HTTP client (httpx) is imported only by an updater that drives engines
     from weightsync.sync.engine_client import EngineClient
@@ -188,22 +191,72 @@ def probe(c: EngineClient) -> tuple[int, dict[str, Any]]:
 JOIN_MISSING = (404, 405, 501)
 """Answers of an engine without ``/join_from_peer``: it is brought up to date by the next update."""
 
+JOIN_POLL_S = 0.2
+"""How often a joining engine's ``/health`` is read while :func:`survey` waits for it."""
+
+
+class Roster:
+    """Who serves and who takes part, across updates (every rank holds one; rank 0 asks the
+    engines, :meth:`replan` shares what it found).
+
+    * :attr:`fleet` -- every engine's URL, those planned for and those left out;
+    * :attr:`excluded` -- engines planned for but left out of updates (dropped from one and not
+      back yet), by index into the planned list, with why;
+    * :attr:`published` -- the last version an update published.
+    """
+
+    def __init__(self, engine_urls: Sequence[str] | EngineRegistry | None) -> None:
+        self.registry = engine_urls if isinstance(engine_urls, EngineRegistry) else None
+        self.fleet: list[str] = list(engine_urls.urls() if self.registry else engine_urls or ())
+        self.excluded: dict[int, str] = {}
+        self.published: str | None = None
+
+    def published_by(self, version: str, dropped: Mapping[int, str]) -> None:
+        """An update published ``version``; ``dropped`` (index -> why) did not take part."""
+        self.excluded.update(dropped)
+        self.published = version
+
+    def replan(self, planned: Sequence[str], engine_urls: Sequence[str] | None, pg: Any,
+               client: Callable[[str], EngineClient], join_timeout_s: float) -> list[str] | None:
+        """Survey the fleet (``engine_urls``, else the registry's, else :attr:`fleet`) against
+        the engines ``planned`` for now (:func:`survey`, on rank 0; collective over ``pg``).
+
+        Returns:
+            The engines to plan for, where they differ from ``planned`` (None: the same).
+
+        Raises:
+            FleetError: no engine answers.
+        """
+        fleet = list(engine_urls) if engine_urls is not None else self.registry.urls() if self.registry else \
+            self.fleet
+        out = {planned[e]: why for e, why in self.excluded.items()}
+        out.update({u: "new" for u in fleet if u not in planned})
+        now, left = from_rank0(pg, lambda: survey(fleet, out, self.published, client, join_timeout_s))
+        if not now:
+            raise FleetError(f"no engine answers: {', '.join(fleet)}")
+        self.fleet = fleet
+        self.excluded = {now.index(u): why for u, why in left.items()}
+        return None if now == list(planned) else now
+
 
 def survey(fleet: Sequence[str], excluded: Mapping[str, str], published: str | None,
-           client: Callable[[str], EngineClient]) -> tuple[list[str], dict[str, str]]:
+           client: Callable[[str], EngineClient], join_timeout_s: float) -> tuple[list[str], dict[str, str]]:
     """Who takes part in the next update (rank 0, at ``refresh()``).
 
     An engine of ``fleet`` not in ``excluded`` takes part. An excluded one (dropped earlier, or
-    new) is asked: unreachable -- left out of the plan until it answers; serving ``published`` --
-    back; otherwise asked to join from the engines that take part (``/join_from_peer``): joining
-    -- planned, left out of updates until a later ``refresh()`` finds it serving ``published``;
-    without that route -- back, the next update writes all of it.
+    new) is asked (:func:`rejoin`): unreachable -- left out of the plan until it answers; serving
+    ``published`` -- back; otherwise it joins from the engines that take part
+    (``/join_from_peer``: copied and verified from a peer) and is back once it serves
+    ``published``; a failed join, or an engine without that route, is back too (the next update
+    writes all of it); one still joining after ``join_timeout_s`` is planned for but left out of
+    updates until a later ``refresh()`` finds it serving.
 
     Args:
         fleet: every engine's URL, in order.
         excluded: URL -> why it is out (from an earlier update's drop).
         published: the version the fleet serves (None: nothing published yet).
         client: an engine client for a URL (closed here).
+        join_timeout_s: how long to wait for each join.
 
     Returns:
         The engines planned for (URLs, ``fleet``'s order) and those among them left out, with why.
@@ -217,7 +270,7 @@ def survey(fleet: Sequence[str], excluded: Mapping[str, str], published: str | N
             continue
         c = client(url)
         try:
-            why = _rejoin(c, peers, published)
+            why = rejoin(c, peers, published, join_timeout_s)
         except Exception as exc:  # unreachable: not planned for until it answers
             log.warning("%s is not back (%s): left out of the plan", url, exc)
             continue
@@ -229,22 +282,42 @@ def survey(fleet: Sequence[str], excluded: Mapping[str, str], published: str | N
     return planned, out
 
 
-def _rejoin(c: EngineClient, peers: Sequence[str], published: str | None) -> str | None:
-    """Why ``c``'s engine stays out of the next update (None: it takes part); see :func:`survey`."""
+def rejoin(c: EngineClient, peers: Sequence[str], published: str | None, timeout_s: float) -> str | None:
+    """Bring ``c``'s engine to ``published`` from ``peers`` (:func:`survey`).
+
+    Returns:
+        Why it stays out of the next update (None: it takes part).
+
+    Raises:
+        ConnectionError, EngineError: it does not answer, or refuses the join.
+    """
     from weightsync.sync.engine_client import EngineError  # httpx: only where engines are driven
 
     status, h = probe(c)
-    state, version = h.get("state"), h.get("weight_version")
-    if state == "joining":
-        return f"{c.base_url}: joining ({h.get('reason', '')})"
-    if published is None or (status == 200 and state in (None, "serving") and str(version) == published):
+    if published is None or _serves(status, h, published) or not peers:
         return None
-    if not peers:
-        return None
-    try:
-        c.join_from_peer(list(peers))
-    except EngineError as exc:
-        if exc.status in JOIN_MISSING:
+    if h.get("state") != "joining":
+        try:
+            c.join_from_peer(list(peers))
+        except EngineError as exc:
+            if exc.status in JOIN_MISSING:
+                return None
+            raise
+    end = time.monotonic() + timeout_s
+    while True:
+        status, h = probe(c)
+        if _serves(status, h, published):
+            log.info("%s joined version %s from a peer", c.base_url, published)
             return None
-        raise
-    return f"{c.base_url}: joining version {published} from {', '.join(peers)}"
+        if h.get("state") != "joining":  # the join failed (stale): the next update writes all of it
+            log.warning("%s: its join from %s failed (%s); the next update writes all of it", c.base_url,
+                        ", ".join(peers), h.get("reason") or h.get("state"))
+            return None
+        if time.monotonic() > end:
+            return f"{c.base_url}: still joining version {published} after {timeout_s:.0f} s ({h.get('reason', '')})"
+        time.sleep(JOIN_POLL_S)
+
+
+def _serves(status: int, health: Mapping[str, Any], version: str) -> bool:
+    """Whether an engine's ``/health`` says it serves ``version`` (a real sglang server's, no body: no)."""
+    return status == 200 and health.get("state") == "serving" and str(health.get("weight_version")) == version

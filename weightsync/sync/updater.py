@@ -68,7 +68,7 @@ from weightsync.plan.ops import CopyOp
 from weightsync.plan.records import Mode
 from weightsync.sync.broadcast_groups import BroadcastGroups
 from weightsync.sync.broadcast_sender import BroadcastSender
-from weightsync.sync.fleet import EngineRegistry, survey
+from weightsync.sync.fleet import EngineRegistry, FleetError, Roster
 from weightsync.sync.from_megatron import megatron_train_parallel
 from weightsync.sync.names import module_tensors, place_params
 from weightsync.sync.p2p_pack import fp8_blocks
@@ -152,15 +152,10 @@ class WeightUpdater:
         self.params = agree(self.pg, lambda: place_params(params, spec, train, self.rank), "placing the parameters")
         self.device = next(iter(self.params.values())).device
         self.engines: Engines | None = None
-        self.registry = engine_urls if isinstance(engine_urls, EngineRegistry) else None
-        self.excluded: dict[int, str] = {}
-        """Engines (indices into :attr:`engines`) dropped from an update and not back yet, with why."""
-        self.published_version: str | None = None
-        """The last version this updater published."""
-        self._fleet = list(engine_urls.urls() if self.registry else engine_urls or ())
-        """Every engine's URL (those planned for and those left out)."""
+        self.roster = Roster(engine_urls)
+        """Who serves and who takes part (:class:`~weightsync.sync.fleet.Roster`)."""
         if engine_urls is not None:
-            self.engines = _engines(self._fleet, self.config)
+            self.engines = _engines(self.roster.fleet, self.config)
         elif published is None or rollout is None:
             raise ValueError("give engine_urls, or rollout and published (no engine to drive)")
         self._source_regions = source_regions
@@ -403,8 +398,7 @@ class WeightUpdater:
                 if self.rank == 0 and self.engines is not None:
                     self.engines.abort_sessions(min(ABORT_WAIT_S, self.config.http_timeout_s))
                 raise
-            self.excluded.update(stats.dropped)
-            self.published_version = version
+            self.roster.published_by(version, stats.dropped)
             if stats.dropped:
                 log.warning("[rank%d] update to version %s published by %d engine(s); dropped: %s", self.rank,
                             version, len(stats.engines), "; ".join(stats.dropped.values()))
@@ -424,7 +418,7 @@ class WeightUpdater:
         try:
             self._close_senders()
             if self.excluded:  # a dropped engine that is gone leaves the plan; one that is back rejoins
-                self._plan_for(self._fleet)
+                self._replan(None)
             self._set_up(self._discover())
         except ValueError as exc:
             raise UpdateError(f"setting the update up again: {exc}") from None
@@ -525,14 +519,20 @@ class WeightUpdater:
 
     # -- engines between updates ----------------------------------------------------------------
 
+    @property
+    def excluded(self) -> dict[int, str]:
+        """Engines (indices into :attr:`engines`) left out of updates (dropped, not back yet), with why."""
+        return self.roster.excluded
+
     def refresh(self, engine_urls: Sequence[str] | None = None) -> bool:
         """Pick up engines added, removed (``engine_urls``: the new list, the same on every rank;
         default: the :class:`EngineRegistry`'s now, else the list as it was) or restarted since
         the last update, and engines dropped from an update that are back (collective).
 
-        A dropped engine that answers is asked to join from a peer (:func:`~weightsync.sync.fleet.survey`:
-        taking part again once it serves the published version, or at once where it has no such
-        route: the next update writes all of it); one that does not answer is left out of the plan.
+        An engine that is back or new but does not serve the published version joins it from a
+        peer that does (``/join_from_peer``: copied and verified engine to engine; this waits up
+        to ``UpdaterConfig.join_timeout_s``) and takes part in the next update
+        (:func:`~weightsync.sync.fleet.survey`); one that does not answer is left out of the plan.
 
         Returns:
             True when something changed and the senders were rebuilt (new plan share when the
@@ -544,9 +544,7 @@ class WeightUpdater:
         if self.engines is None:
             raise UpdateError("this updater drives no engines (it was built from published tables)")
         old = self.discovered
-        fleet = list(engine_urls) if engine_urls is not None else self.registry.urls() if self.registry else \
-            self._fleet
-        new_urls = self._plan_for(fleet)
+        new_urls = self._replan(engine_urls)
         found = self._discover()
         # A restarted engine publishes new addresses (p2p sees it); it has also left the
         # weight-update groups, which nothing published shows: those are always joined again.
@@ -558,22 +556,19 @@ class WeightUpdater:
         self._stale = False
         return True
 
-    def _plan_for(self, fleet: Sequence[str]) -> bool:
-        """The engines planned for from now, of ``fleet`` (:func:`~weightsync.sync.fleet.survey`;
+    def _replan(self, engine_urls: Sequence[str] | None) -> bool:
+        """The engines planned for from now (:meth:`Roster.replan <weightsync.sync.fleet.Roster.replan>`;
         collective); whether they changed."""
         from weightsync.sync.engine_client import EngineClient  # httpx: only where engines are driven
 
         assert self.engines is not None
-        out = {self.engines.urls[e]: why for e, why in self.excluded.items()}
-        out.update({u: "new" for u in fleet if u not in self.engines.urls})
         cfg = self.config
-        planned, left = from_rank0(self.pg, lambda: survey(fleet, out, self.published_version, lambda u: EngineClient(
-            u, timeout_s=cfg.http_timeout_s, token=cfg.token)))
-        if not planned:
-            raise UpdateError(f"no engine answers: {', '.join(fleet)}")
-        self._fleet = list(fleet)
-        self.excluded = {planned.index(u): why for u, why in left.items()}
-        if planned == self.engines.urls:
+        try:
+            planned = self.roster.replan(self.engines.urls, engine_urls, self.pg, lambda u: EngineClient(
+                u, timeout_s=cfg.http_timeout_s, token=cfg.token), cfg.join_timeout_s)
+        except FleetError as exc:
+            raise UpdateError(str(exc)) from None
+        if planned is None:
             return False
         self._groups.leave()
         self.engines.close()

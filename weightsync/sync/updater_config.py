@@ -67,6 +67,10 @@ class UpdaterConfig:
     publish, it is told it is stale and left out of later updates until ``refresh()`` finds it
     back (:mod:`weightsync.sync.fleet`); ``abort`` -- the update fails on every engine, nothing
     is published; ``auto`` -- drop where more than one engine takes part, abort with one."""
+    join_timeout_s: float = 600.0
+    """How long ``refresh()`` waits for an engine that is back or new to join the published
+    version from a peer; one still joining then is left out of updates until a later
+    ``refresh()`` finds it serving."""
     token: str | None = field(default=None, repr=False)
     """The engines' access token, sent as ``Authorization: Bearer <token>`` on every engine call
     (an engine started with a token answers 401 / 403 without it); None: no token."""
@@ -77,8 +81,8 @@ class UpdaterConfig:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
         if self.verify_every < 0:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
-        if self.deadline_s <= 0 or self.http_timeout_s <= 0 or self.group_timeout_s <= 0:
-            raise ValueError("deadline_s, http_timeout_s and group_timeout_s must be positive")
+        if min(self.deadline_s, self.http_timeout_s, self.group_timeout_s, self.join_timeout_s) <= 0:
+            raise ValueError("deadline_s, http_timeout_s, group_timeout_s and join_timeout_s must be positive")
         if self.pause_free not in PAUSE_FREE:
             raise ValueError(f"pause_free must be one of {', '.join(PAUSE_FREE)}, got {self.pause_free!r}")
         if self.flip not in FLIPS:
