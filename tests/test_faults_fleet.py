@@ -155,3 +155,29 @@ def test_abort_keeps_all_or_nothing(fleet: Fleet, group: object):
             s = _state(u)
             assert (s["state"], s["weights_dirty"], s["weight_version"]) == ("serving", False, "1"), s
     fleet.start(2)
+
+
+@pytest.mark.timeout(600)
+def test_broadcast_rebuilds_the_group_for_the_survivors(fleet: Fleet, group: object):
+    params = te_named_params(23)
+    with _updater(fleet, params, group, mode="broadcast", group_timeout_s=60.0) as updater:
+        assert updater.update(1).verified
+        _step(params, 2)
+        _kill_during_write(updater, fleet, 0)
+        t0 = time.perf_counter()
+        stats = updater.update(2)
+        took = time.perf_counter() - t0
+        assert stats.verified
+        assert list(stats.dropped) == [0], stats.dropped
+        assert stats.group_rebuild_s > 0.0
+        assert stats.engines == fleet.urls[1:]
+        assert took < 30.0, f"the survivors waited for the group timeout ({took:.1f} s)"
+        for u in fleet.urls[1:]:
+            s = _state(u)
+            assert (s["state"], s["weights_dirty"], s["weight_version"]) == ("serving", False, "2"), s
+        _step(params, 3)
+        stats = updater.update(3)  # the survivors' groups stand: nothing rebuilt
+        assert stats.verified
+        assert stats.group_rebuild_s == 0.0
+        assert stats.engines == fleet.urls[1:]
+    fleet.start(0)

@@ -31,6 +31,7 @@ from weightsync.engine.scheduler import Scheduler
 from weightsync.engine.session import Session, UpdateSessions
 from weightsync.engine.states import TRANSITIONS, Event, Facts, State, decide, states_markdown
 from weightsync.models import get_model
+from weightsync.sync.broadcast_receiver import BroadcastReceiver
 
 ROOT = Path(weightsync.__file__).parent
 BEGUN = (State.UPDATING, State.SHADOW_UPDATING)
@@ -83,7 +84,8 @@ class _FakeDriver:
     world = 1
 
     def __init__(self, fail: str = "") -> None:
-        self.engine = SimpleNamespace(spec=get_model("Qwen3-4B", "tiny"), broadcast=None, p2p=None)
+        spec = get_model("Qwen3-4B", "tiny")  # aborts cancel the receives of a real BroadcastReceiver (no group)
+        self.engine = SimpleNamespace(spec=spec, broadcast=BroadcastReceiver(lambda: None, spec, 0), p2p=None)
         self.fail = fail
 
     def run(self, op: str, **args: Any) -> list[Any]:

@@ -17,7 +17,7 @@ import datetime
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -99,10 +99,13 @@ def advertised_host(cfg: ServeConfig) -> str:
     return cfg.host if not is_wildcard(cfg.host) else socket.gethostbyname(socket.gethostname())
 
 
-def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: int, port: int) -> Engine:
+def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: int, port: int, *,
+               cancel: Any = None) -> Engine:
     """Join the engine's process group (tp > 1), allocate the rank's parameters and load them.
 
-    Collective over the engine's ranks when ``tp > 1``.
+    Collective over the engine's ranks when ``tp > 1``. ``cancel``: the counter the engine's ranks
+    share to end broadcast receives (:attr:`BroadcastReceiver.cancel
+    <weightsync.sync.broadcast_receiver.BroadcastReceiver.cancel>`); None: this rank's own.
 
     Raises:
         The rank's own load error, or RuntimeError naming the ranks that failed to load.
@@ -141,6 +144,8 @@ def build_rank(cfg: ServeConfig, spec: ModelSpec, par: RolloutParallel, rank: in
         group_timeout_s=cfg.group_timeout_s,
         shadow=cfg.shadow,
     )
+    if cancel is not None:
+        engine.broadcast.cancel = cancel
     error: BaseException | None = None
     if cfg.join_from:  # the weights come from a peer (weightsync.engine.join): nothing to load
         logger.info("[rank%d] joining from %s: no weights loaded", rank, ", ".join(cfg.join_from))

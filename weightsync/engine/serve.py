@@ -87,10 +87,12 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
         logger.info("removed %d leftover(s) of processes that are gone: %s", len(stale), ", ".join(stale))
     port = cfg.dist_port if cfg.dist_port is not None else free_port()
     procs = []
+    ctx = mp.get_context("spawn")
+    cancel = ctx.RawValue("q", 0)  # rank 0 ends every rank's broadcast receive (BroadcastReceiver.cancel)
     if par.tp > 1:
-        ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(target=_worker_main, args=(cfg, spec, par, r, port), name=f"engine-rank{r}", daemon=True)
+            ctx.Process(target=_worker_main, args=(cfg, spec, par, r, port, cancel), name=f"engine-rank{r}",
+                        daemon=True)
             for r in range(1, par.tp)
         ]
         for p in procs:
@@ -102,7 +104,7 @@ def run_server(cfg: ServeConfig, log_level: str = "info") -> int:
                          daemon=True).start()
     clean = True
     try:
-        engine = build_rank(cfg, spec, par, 0, port)
+        engine = build_rank(cfg, spec, par, 0, port, cancel=cancel)
         try:
             clean = _serve(cfg, engine, par, log_level, watching)
         finally:
@@ -178,7 +180,7 @@ def _watch_parent(parent: int) -> None:
     _leave(parent)
 
 
-def _worker_main(cfg: ServeConfig, spec: Any, par: Any, rank: int, port: int) -> None:
+def _worker_main(cfg: ServeConfig, spec: Any, par: Any, rank: int, port: int, cancel: Any) -> None:
     """Entry point of ranks > 0 (a spawned process), with rank 0's checked model and layout."""
     from weightsync.engine.bootstrap import build_rank, finish_rank
     from weightsync.engine.control import worker_loop
@@ -191,7 +193,7 @@ def _worker_main(cfg: ServeConfig, spec: Any, par: Any, rank: int, port: int) ->
     die_with_parent(signal.SIGTERM)
     threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
-    engine = build_rank(cfg, spec, par, rank, port)
+    engine = build_rank(cfg, spec, par, rank, port, cancel=cancel)
     try:
         worker_loop(engine)
     finally:

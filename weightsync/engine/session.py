@@ -377,6 +377,7 @@ class UpdateSessions(FleetSessions):
             self.session = None
             self._enter(rule)
             self._fail_queued_if_refused()
+            self.driver.engine.broadcast.cancel_receives()  # a receive in flight ends (its source may be gone)
         self.scheduler.call(lambda: self.driver.run(Op.ABORT_UPDATE), "abort_weight_update")
         with self.lock:
             return {"success": True, "message": f"Update session {aborted} aborted; weight version "
@@ -469,13 +470,15 @@ class UpdateSessions(FleetSessions):
         """``/update_weights_from_distributed``: receive full tensors from the trainer's group."""
         with self.lock:
             self._require_session("update_weights_from_distributed", session_id)
+            epoch = self.driver.engine.broadcast.cancel.value  # an abort or destroy from here on ends it
         check_update_request(self.spec, names, dtypes, shapes)
         if group_name not in self._groups:
             raise ValueError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
         return self._run_update(
             "update_weights_from_distributed",
             lambda: self.driver.run(
-                Op.UPDATE_FROM_DISTRIBUTED, names=names, dtypes=dtypes, shapes=shapes, group_name=group_name
+                Op.UPDATE_FROM_DISTRIBUTED, names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                epoch=epoch,
             ),
             weight_version,
             "Succeeded to update parameter online.",
@@ -622,6 +625,8 @@ class UpdateSessions(FleetSessions):
         """``/destroy_weights_update_group``."""
         if group_name not in self._groups:
             raise ValueError("The group to be destroyed does not exist.")
+        with self.lock:
+            self.driver.engine.broadcast.cancel_receives()  # a receive in flight on it ends
         msgs = self.scheduler.call(lambda: self.driver.run(Op.DESTROY_GROUP, group_name=group_name),
                                    "destroy_weights_update_group")
         self._groups.discard(group_name)

@@ -61,6 +61,7 @@ class FleetSessions:
             self._fail_queued_if_refused()
         self.scheduler.stop_generation("Aborted", retract=False)
         if aborted:
+            self.driver.engine.broadcast.cancel_receives()
             self.scheduler.call(lambda: self.driver.run(Op.ABORT_UPDATE), "mark_stale")
         with self.lock:
             return {"stale": True, "state": self.state.value, "weight_version": self.weight_version,

@@ -19,10 +19,19 @@ the address) and can run in the background (:meth:`BroadcastReceiver.start_init`
 slow to come; every tensor of a receive must arrive within the receive's deadline, and the
 error names the tensor and the group. Announcements are checked before anything is received:
 each dtype must be the parameter's own (no silent casts), each shape its shape.
+
+Cancellation: a receive whose source is gone (a trainer that gave up on a broadcast after another
+engine died) would wait for its deadline, and the engine's calls queue behind it. Each receive
+carries the value of a counter its engine's ranks share (:attr:`BroadcastReceiver.cancel`) when
+the call was accepted; rank 0 bumps it (:meth:`BroadcastReceiver.cancel_receives`) when the
+update session is aborted or the group destroyed, and every rank's receive then ends within
+:data:`CANCEL_POLL_S`, naming why. A group whose receive was cancelled is never used again:
+it is destroyed (the trainer opens new groups for the engines that still take part).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import functools
 import logging
@@ -46,6 +55,13 @@ logger = logging.getLogger(__name__)
 
 
 FP8_DTYPE = "float8_e4m3fn"
+
+CANCEL_POLL_S = 0.1
+"""How often a receive in flight checks whether it was cancelled."""
+
+
+class ReceiveCancelled(RuntimeError):
+    """A receive ended because its update session was aborted or its group destroyed."""
 
 
 @functools.cache
@@ -142,6 +158,22 @@ def refused_fast(host: str, port: int, grace_s: float) -> None:
             return
 
 
+def _shut_down(pg: dist.ProcessGroup) -> None:
+    shutdown = getattr(pg, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def _let_go(holder: list[dist.ProcessGroup]) -> None:
+    """Shut down and drop the group in ``holder`` (the last reference: its destructor runs here)."""
+    pg = holder.pop()
+    try:
+        _shut_down(pg)
+    except Exception as exc:  # a group whose receive was cut off may refuse; it is dropped anyway
+        logger.info("shutting down a weight update group after a cut-off receive: %s", exc)
+    del pg
+
+
 class BroadcastReceiver:
     """The update groups of one engine rank, by name."""
 
@@ -163,6 +195,16 @@ class BroadcastReceiver:
         self.bind_host = bind_host
         self._groups: dict[str, tuple[dist.ProcessGroup, str]] = {}
         self._joining: dict[str, tuple[threading.Thread, list[BaseException]]] = {}
+        self._broken: set[str] = set()
+        """Groups whose receive failed or was cancelled: gloo may still wait in it."""
+        self.cancel: ctypes.c_int64 = ctypes.c_int64(0)
+        """The cancel counter (module docstring): this rank's own, or one the engine's ranks share
+        (a ``multiprocessing`` ``RawValue``, set by the engine's start-up)."""
+
+    def cancel_receives(self) -> None:
+        """End every receive in flight, on every rank sharing :attr:`cancel` (rank 0: an aborted
+        session, a destroyed group); receives accepted from here on are not affected."""
+        self.cancel.value += 1
 
     def init_group(
         self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
@@ -249,15 +291,18 @@ class BroadcastReceiver:
         if group_name in self._groups:
             self.destroy_group(group_name)
 
-    def receive(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str) -> dict:
+    def receive(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                epoch: int | None = None) -> dict:
         """Receive each announced tensor from group rank 0 and write this rank's pieces.
 
         The announcement is checked by :func:`check_update_request` on rank 0 before this runs.
-        The whole receive must complete within ``timeout_s``.
+        The whole receive must complete within ``timeout_s``; ``epoch``: :attr:`cancel`'s value
+        when the call was accepted (None: never cancelled).
 
         Raises:
             ValueError: unknown group.
             TimeoutError: a tensor did not arrive in time (named, with the group).
+            ReceiveCancelled: :meth:`cancel_receives` was called since (named, with the group).
         """
         if group_name not in self._groups:
             raise ValueError(f"no weight update group {group_name!r} (call /init_weights_update_group first)")
@@ -272,42 +317,57 @@ class BroadcastReceiver:
             # fp8 travels as its bytes: gloo (and older NCCL) have no float8 type
             fp8 = want.is_floating_point and want.itemsize == 1
             buf = torch.empty(shape, dtype=torch.uint8 if fp8 else want, device=device)
-            self._wait(pg.broadcast(buf, 0), backend, deadline,
-                       f"[rank{self.rank}] {name} (tensor {k + 1} of {len(names)}) from weight update group "
-                       f"{group_name!r}")
+            try:
+                self._wait(pg.broadcast(buf, 0), backend, deadline,
+                           f"[rank{self.rank}] {name} (tensor {k + 1} of {len(names)}) from weight update group "
+                           f"{group_name!r}", epoch)
+            except BaseException:
+                self._broken.add(group_name)
+                raise
             buf = buf.view(want) if fp8 else buf
             nbytes += buf.numel() * buf.element_size()
             write_global(store, self.spec, name, lambda box, t=buf: t[tuple(slice(a, b) for a, b in box)])
         seconds = time.perf_counter() - t0
         return {"num_tensors": len(names), "nbytes": nbytes, "seconds": seconds}
 
-    def _wait(self, work: dist.Work, backend: str, deadline: float, what: str) -> None:
-        remaining = deadline - time.monotonic()
-        if backend == "gloo":
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=max(remaining, 1e-3)))
-            except RuntimeError as exc:
-                if "timed out" not in str(exc).lower():
-                    raise
-                raise TimeoutError(f"{what}: not received within {self.timeout_s:.0f} s") from None
-            return
+    def _wait(self, work: dist.Work, backend: str, deadline: float, what: str, epoch: int | None) -> None:
+        """Wait for ``work`` until ``deadline``, ending early once cancelled (module docstring)."""
         pause = 1e-4
-        while not work.is_completed():
+        while True:
+            remaining = deadline - time.monotonic()
+            if backend == "gloo":
+                try:
+                    work.wait(timeout=datetime.timedelta(seconds=max(min(remaining, CANCEL_POLL_S), 1e-3)))
+                    return
+                except RuntimeError as exc:
+                    if "timed out" not in str(exc).lower():
+                        raise
+            elif work.is_completed():
+                work.wait()
+                return
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.01)
+            if epoch is not None and self.cancel.value != epoch:
+                raise ReceiveCancelled(f"{what}: cancelled: the update session was aborted or the group destroyed")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{what}: not received within {self.timeout_s:.0f} s")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
-        work.wait()
 
     def destroy_group(self, group_name: str) -> str:
         """Leave group ``group_name``."""
         entry = self._groups.pop(group_name, None)
         if entry is None:
             raise ValueError(f"no weight update group {group_name!r}")
-        pg, _ = entry
-        shutdown = getattr(pg, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        if group_name in self._broken:
+            # a receive on it was cut off: gloo's worker still waits in it (until the group's
+            # timeout), and so do the group's shutdown and its destructor -- on a thread of their
+            # own that holds the last reference, never on this rank's command loop
+            self._broken.discard(group_name)
+            holder = [entry[0]]
+            del entry
+            threading.Thread(target=_let_go, args=(holder,), name=f"destroy-{group_name}", daemon=True).start()
+            return f"destroyed {group_name!r} (its cut-off receive ends in the background)"
+        _shut_down(entry[0])
         return f"destroyed {group_name!r}"
 
     def close(self) -> None:
