@@ -8,7 +8,10 @@ Three ``weightsync serve`` engines (Qwen3-4B tiny, TP 1, shm, dummy weights) and
   restarted on its URL (fresh weights), ``refresh()`` has it join the published version from a
   peer (``/join_from_peer``): it serves that version, fingerprint-identical to the peers, before
   any update; the next update verifies all three;
-* ``abort``: the update fails on every engine and the survivors keep serving the old version.
+* ``abort``: the update fails on every engine and the survivors keep serving the old version;
+* broadcast: the survivors' groups are rebuilt (the dead engine's receive-in-flight on the others
+  ends when the old groups are destroyed) and they publish within 30 s (group timeout 60 s);
+* a fourth engine at TP 2 added mid-run follows: it joins each published version from a peer.
 """
 
 from __future__ import annotations
@@ -155,6 +158,46 @@ def test_abort_keeps_all_or_nothing(fleet: Fleet, group: object):
             s = _state(u)
             assert (s["state"], s["weights_dirty"], s["weight_version"]) == ("serving", False, "1"), s
     fleet.start(2)
+
+
+def _until_serving(url: str, version: str, timeout_s: float) -> float:
+    """Seconds until ``url``'s engine serves ``version`` (clean); fails after ``timeout_s``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        s = _state(url)
+        if (s["state"], s["weights_dirty"], s["weight_version"]) == ("serving", False, version):
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"{url} does not serve version {version} after {timeout_s:.0f} s: {_state(url)}")
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_of_another_tp_added_mid_run_follows_each_version(fleet: Fleet, group: object):
+    """A fourth engine at TP 2 (the others: TP 1) registered mid-run: ``refresh()`` has it join the
+    published version from a peer (verified by the engine against the peer's fingerprints) before
+    it returns; it is not planned for, and after each update it serves the new version within
+    one update interval (a peer copy, not a trainer write)."""
+    params = te_named_params(24)
+    registry = EngineRegistry(fleet.urls)
+    argv = [*ENGINE_ARGV[:4], "2", *ENGINE_ARGV[5:]]
+    with _updater(fleet, params, group, urls=registry) as updater, \
+            serve_engine(argv, fleet.log_dir / "engine3-tp2.log") as url:
+        assert updater.update(1).verified
+        registry.add(url)
+        updater.refresh()
+        assert updater.roster.followers == [url]
+        assert updater.engines is not None
+        assert updater.engines.urls == fleet.urls
+        s = _state(url)
+        assert (s["state"], s["weights_dirty"], s["weight_version"]) == ("serving", False, "1"), s
+        for v in (2, 3):
+            _step(params, v)
+            stats = updater.update(v)
+            assert stats.verified
+            assert stats.engines == fleet.urls
+            took = _until_serving(url, str(v), timeout_s=60)
+            print(f"TP 2 follower serves version {v} {took:.2f} s after the update returned")
+        assert len(_fingerprints(url)) == 2  # it serves in its own layout: two ranks
 
 
 @pytest.mark.timeout(600)

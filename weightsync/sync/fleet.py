@@ -199,9 +199,12 @@ class Roster:
     """Who serves and who takes part, across updates (every rank holds one; rank 0 asks the
     engines, :meth:`replan` shares what it found).
 
-    * :attr:`fleet` -- every engine's URL, those planned for and those left out;
+    * :attr:`fleet` -- every engine's URL, those planned for, those left out and the followers;
     * :attr:`excluded` -- engines planned for but left out of updates (dropped from one and not
       back yet), by index into the planned list, with why;
+    * :attr:`followers` -- engines of another layout than the planned ones (another TP): the
+      trainer does not write them; after each publication they join it from a peer that took
+      part (:meth:`lead`), so they serve each version one peer copy after the others;
     * :attr:`published` -- the last version an update published.
     """
 
@@ -209,6 +212,7 @@ class Roster:
         self.registry = engine_urls if isinstance(engine_urls, EngineRegistry) else None
         self.fleet: list[str] = list(engine_urls.urls() if self.registry else engine_urls or ())
         self.excluded: dict[int, str] = {}
+        self.followers: list[str] = []
         self.published: str | None = None
 
     def published_by(self, version: str, dropped: Mapping[int, str]) -> None:
@@ -231,16 +235,36 @@ class Roster:
             self.fleet
         out = {planned[e]: why for e, why in self.excluded.items()}
         out.update({u: "new" for u in fleet if u not in planned})
-        now, left = from_rank0(pg, lambda: survey(fleet, out, self.published, client, join_timeout_s))
+        now, left, followers = from_rank0(pg, lambda: survey(fleet, out, self.published, client, join_timeout_s))
         if not now:
             raise FleetError(f"no engine answers: {', '.join(fleet)}")
-        self.fleet = fleet
+        self.fleet, self.followers = fleet, followers
         self.excluded = {now.index(u): why for u, why in left.items()}
         return None if now == list(planned) else now
 
+    def lead(self, peers: Sequence[str], client: Callable[[str], EngineClient]) -> dict[str, str]:
+        """Rank 0, after a publication by ``peers``: each follower starts joining it from them
+        (``/join_from_peer``; this does not wait for the copy).
+
+        Returns:
+            The followers that could not be asked, with why (logged; asked again next time).
+        """
+        failed: dict[str, str] = {}
+        for url in self.followers:
+            c = client(url)
+            try:
+                c.join_from_peer(list(peers))
+            except Exception as exc:  # gone, or still joining an older version: the next publication asks again
+                failed[url] = f"{url}: /join_from_peer: {exc}"
+                log.warning("follower %s did not start joining version %s: %s", url, self.published, exc)
+            finally:
+                c.close()
+        return failed
+
 
 def survey(fleet: Sequence[str], excluded: Mapping[str, str], published: str | None,
-           client: Callable[[str], EngineClient], join_timeout_s: float) -> tuple[list[str], dict[str, str]]:
+           client: Callable[[str], EngineClient], join_timeout_s: float
+           ) -> tuple[list[str], dict[str, str], list[str]]:
     """Who takes part in the next update (rank 0, at ``refresh()``).
 
     An engine of ``fleet`` not in ``excluded`` takes part. An excluded one (dropped earlier, or
@@ -249,37 +273,61 @@ def survey(fleet: Sequence[str], excluded: Mapping[str, str], published: str | N
     (``/join_from_peer``: copied and verified from a peer) and is back once it serves
     ``published``; a failed join, or an engine without that route, is back too (the next update
     writes all of it); one still joining after ``join_timeout_s`` is planned for but left out of
-    updates until a later ``refresh()`` finds it serving.
+    updates until a later ``refresh()`` finds it serving. A new engine of another layout than
+    those that take part (``/server_info``'s sizes) joins the same way but is a follower: never
+    planned for (:class:`Roster`).
 
     Args:
         fleet: every engine's URL, in order.
-        excluded: URL -> why it is out (from an earlier update's drop).
+        excluded: URL -> why it is out (from an earlier update's drop, or new).
         published: the version the fleet serves (None: nothing published yet).
         client: an engine client for a URL (closed here).
         join_timeout_s: how long to wait for each join.
 
     Returns:
-        The engines planned for (URLs, ``fleet``'s order) and those among them left out, with why.
+        The engines planned for (URLs, ``fleet``'s order), those among them left out (with why),
+        and the followers.
     """
     peers = [u for u in fleet if u not in excluded]
     planned: list[str] = []
     out: dict[str, str] = {}
+    followers: list[str] = []
+    sizes: dict[str, Any] = {}
     for url in fleet:
         if url not in excluded:
             planned.append(url)
             continue
         c = client(url)
         try:
+            follows = bool(peers) and _sizes(client, peers[0], sizes) != _sizes(client, url, sizes)
             why = rejoin(c, peers, published, join_timeout_s)
         except Exception as exc:  # unreachable: not planned for until it answers
             log.warning("%s is not back (%s): left out of the plan", url, exc)
             continue
         finally:
             c.close()
+        if follows:
+            log.info("%s has another layout (%s) than the planned engines (%s): it follows them by peer joins",
+                     url, sizes[url], sizes[peers[0]])
+            followers.append(url)
+            continue
         planned.append(url)
         if why is not None:
             out[url] = why
-    return planned, out
+    return planned, out, followers
+
+
+def _sizes(client: Callable[[str], EngineClient], url: str, known: dict[str, Any]) -> Any:
+    """``url``'s engine's parallel sizes (``/server_info``; cached in ``known``)."""
+    from weightsync.sync.engines import rollout_from_server_info  # httpx: only where engines are driven
+
+    if url not in known:
+        c = client(url)
+        try:
+            known[url] = rollout_from_server_info(c.server_info(), 1)
+        finally:
+            c.close()
+    return known[url]
 
 
 def rejoin(c: EngineClient, peers: Sequence[str], published: str | None, timeout_s: float) -> str | None:

@@ -399,6 +399,8 @@ class WeightUpdater:
                     self.engines.abort_sessions(min(ABORT_WAIT_S, self.config.http_timeout_s))
                 raise
             self.roster.published_by(version, stats.dropped)
+            if self.rank == 0 and self.roster.followers:
+                self.roster.lead(stats.engines, self._client)
             if stats.dropped:
                 log.warning("[rank%d] update to version %s published by %d engine(s); dropped: %s", self.rank,
                             version, len(stats.engines), "; ".join(stats.dropped.values()))
@@ -559,13 +561,10 @@ class WeightUpdater:
     def _replan(self, engine_urls: Sequence[str] | None) -> bool:
         """The engines planned for from now (:meth:`Roster.replan <weightsync.sync.fleet.Roster.replan>`;
         collective); whether they changed."""
-        from weightsync.sync.engine_client import EngineClient  # httpx: only where engines are driven
-
         assert self.engines is not None
-        cfg = self.config
         try:
-            planned = self.roster.replan(self.engines.urls, engine_urls, self.pg, lambda u: EngineClient(
-                u, timeout_s=cfg.http_timeout_s, token=cfg.token), cfg.join_timeout_s)
+            planned = self.roster.replan(self.engines.urls, engine_urls, self.pg, self._client,
+                                         self.config.join_timeout_s)
         except FleetError as exc:
             raise UpdateError(str(exc)) from None
         if planned is None:
@@ -575,6 +574,12 @@ class WeightUpdater:
         self.engines = _engines(planned, self.config)
         self._groups.engines = self.engines
         return True
+
+    def _client(self, url: str) -> Any:
+        """An :class:`~weightsync.sync.engine_client.EngineClient` of ``url`` (the caller closes it)."""
+        from weightsync.sync.engine_client import EngineClient  # httpx: only where engines are driven
+
+        return EngineClient(url, timeout_s=self.config.http_timeout_s, token=self.config.token)
 
     # -- resources ------------------------------------------------------------------------------
 
