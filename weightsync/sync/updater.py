@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,12 +68,13 @@ from weightsync.plan.ops import CopyOp
 from weightsync.plan.records import Mode
 from weightsync.sync.broadcast_groups import BroadcastGroups
 from weightsync.sync.broadcast_sender import BroadcastSender
+from weightsync.sync.discover import Discovered, discover
 from weightsync.sync.fleet import EngineRegistry, FleetError, Roster
 from weightsync.sync.from_megatron import megatron_train_parallel
 from weightsync.sync.names import module_tensors, place_params
 from weightsync.sync.p2p_pack import fp8_blocks
-from weightsync.sync.p2p_sender import SGLANG_TRANSPORT, P2PSender, dest_rank_from_info
-from weightsync.sync.rank_group import agree, from_rank0
+from weightsync.sync.p2p_sender import P2PSender, dest_rank_from_info
+from weightsync.sync.rank_group import agree
 from weightsync.sync.sglang_verify import ShareChecksum, new_verifier
 from weightsync.sync.tensor_sender import TensorSender
 from weightsync.sync.update_flow import ABORT_WAIT_S, run_attempt
@@ -86,24 +87,6 @@ if TYPE_CHECKING:  # the HTTP client (httpx) is imported only by an updater that
     from weightsync.sync.engines import Engines
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Discovered:
-    """What rank 0 learnt from the engines (broadcast to every rank)."""
-
-    rollout: RolloutParallel
-    infos: dict[int, dict[str, Any]] | None
-    kind: str | None
-    pause_reason: str | None = None
-    """Why updates pause the engines (None: pause-free, :mod:`~weightsync.sync.update_flow`)."""
-    fp8_block: tuple[int, int] | None = None
-    """The block the engines serve fp8 weights in (the trainer quantizes into it)."""
-    extensions: bool = False
-    """Every engine takes this project's control extensions (:meth:`Engines.control_extensions
-    <weightsync.sync.engines.Engines.control_extensions>`): fewer calls per update."""
-    engines: tuple[tuple[bool, bool], ...] = ()
-    """Per engine: (this project's engine, parameters on GPUs) -- how its checksums are computed."""
 
 
 class WeightUpdater:
@@ -196,50 +179,10 @@ class WeightUpdater:
         return cls(module_tensors(model), spec=spec, train=train, engine_urls=engine_urls, group=group,
                    config=config, **kwargs)
 
-    def _discover(self) -> _Discovered:
+    def _discover(self) -> Discovered:
         rollout, published = self._fixed
-        if published is not None and rollout is not None:
-            kinds = {str(i["descriptor"]["kind"]) if i.get("descriptor") else SGLANG_TRANSPORT
-                     for i in published.values()}
-            return _Discovered(rollout=rollout, infos={int(k): dict(v) for k, v in published.items()},
-                               kind=kinds.pop() if len(kinds) == 1 else None, fp8_block=self.spec.fp8_block)
-        assert self.engines is not None
-
-        def find() -> _Discovered:
-            assert self.engines is not None
-            r = rollout or self.engines.rollout_parallel(self.spec)
-            block = self.engines.fp8_block(self.spec, r)
-            extensions = self.engines.control_extensions()
-            kinds = tuple(self.engines.kinds())
-            inputs = self._inputs(r, self.spec.replace(fp8_block=block))
-            if Mode.P2P not in self.config.modes:
-                self.engines.check_tables(r, inputs.dest_layout)
-                return _Discovered(rollout=r, infos=None, kind=None, pause_reason=self._pause_reason(None, r.tp),
-                                   fp8_block=block, extensions=extensions, engines=kinds)
-            want = self.config.transport
-            kind = want.kind.value if isinstance(want, TransportConfig) else None if want == "auto" else str(want)
-            infos = self.engines.transfer_infos(r, inputs.dest_layout, kind)
-            first = next(iter(infos.values()))
-            found = str(first["descriptor"]["kind"]) if first.get("descriptor") else SGLANG_TRANSPORT
-            return _Discovered(rollout=r, infos=infos, kind=found, pause_reason=self._pause_reason(infos, r.tp),
-                               fp8_block=block, extensions=extensions, engines=kinds)
-
-        return from_rank0(self.pg, find)
-
-    def _pause_reason(self, infos: dict[int, dict[str, Any]] | None, tp: int) -> str | None:
-        """Why updates must pause the engines (config, or an engine without a usable shadow copy:
-        :meth:`Engines.pause_free <weightsync.sync.engines.Engines.pause_free>`), or None.
-
-        Raises:
-            ValueError: ``pause_free="on"`` and an engine cannot take it (named).
-        """
-        if self.config.pause_free == "off":
-            return "UpdaterConfig(pause_free='off')"
-        assert self.engines is not None
-        why = self.engines.pause_free(infos, tp)
-        if why is not None and self.config.pause_free == "on":
-            raise ValueError(f"UpdaterConfig(pause_free='on'), but {why} (serve --shadow auto, with memory for it)")
-        return why
+        return discover(self.engines, self.spec, self.config, self.pg, self._inputs, rollout=rollout,
+                        published=published)
 
     def _inputs(self, rollout: RolloutParallel, spec: ModelSpec | None = None) -> PlanInputs:
         return build_inputs(spec or self.spec, self.train, rollout, trainer_layout=trainer_layout,
@@ -257,7 +200,7 @@ class WeightUpdater:
             cfg = TransportConfig(kind=chosen)
         return cfg.on_device(self.device.index if self.device.type == "cuda" else None)
 
-    def _set_up(self, found: _Discovered) -> None:
+    def _set_up(self, found: Discovered) -> None:
         """Plan, connect and register (collective); every rank's failure is reported on all."""
         self.discovered = found
         if found.fp8_block != self.spec.fp8_block:
@@ -288,7 +231,7 @@ class WeightUpdater:
         self.plan_s = time.perf_counter() - t0
         return ops
 
-    def _set_up_p2p(self, found: _Discovered, ops: Sequence[CopyOp]) -> None:
+    def _set_up_p2p(self, found: Discovered, ops: Sequence[CopyOp]) -> None:
         assert found.infos is not None
         self.num_ops = len(ops)
         needed = sorted({op.dst_rank for op in ops})
