@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import hmac
 import json
 import logging
@@ -56,6 +55,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from weightsync.engine.control import RankError
 from weightsync.engine.donor import Donor
+from weightsync.engine.http_answers import checker_response, parallelism_config
 from weightsync.engine.http_body import DEFAULT_MAX_REQUEST_BYTES, B, BadBody, BodyBudget, Busy, parse_body
 from weightsync.engine.io_base import TooLarge
 from weightsync.engine.io_generate import GenerateReqInput, to_gen_requests, to_response
@@ -81,10 +81,10 @@ from weightsync.engine.join import Joiner
 from weightsync.engine.live_check import LiveCheck
 from weightsync.engine.peer_io import DonateWeightsReqInput, JoinFromPeerReqInput, MarkStaleReqInput
 from weightsync.engine.scheduler import EngineTimeout, QueueFull, Unavailable
-from weightsync.engine.session import GroupError, UpdateSessions
+from weightsync.engine.session import UpdateSessions
+from weightsync.engine.session_resources import GroupError
 from weightsync.engine.states import Conflict
 from weightsync.engine.tokenizer import Tokenizer
-from weightsync.layout.sglang import engine_coords
 from weightsync.models.parallel import RolloutParallel
 
 logger = logging.getLogger(__name__)
@@ -184,58 +184,6 @@ def _error_response(status: int, message: str) -> JSONResponse:
         {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "param": None, "code": status},
         status_code=status,
     )
-
-
-def parallelism_config(par: RolloutParallel, rank: int) -> dict[str, int]:
-    """sglang-miles' ``RankParallelismConfig`` fields for engine rank ``rank``."""
-    c = engine_coords(par, rank)
-    return {
-        "tp_size": c.tp_size,
-        "tp_rank": c.tp_rank,
-        "pp_size": 1,
-        "pp_rank": 0,
-        "ep_size": c.moe_ep_size,
-        "ep_rank": c.moe_ep_rank,
-        "moe_tp_size": c.moe_tp_size,
-        "moe_tp_rank": c.moe_tp_rank,
-        "attn_tp_size": c.attn_tp_size,
-        "attn_tp_rank": c.attn_tp_rank,
-        "attn_dp_size": c.attn_dp_size,
-        "attn_dp_rank": c.attn_dp_rank,
-        "world_size": par.tp,
-        "global_rank": rank,
-        "local_rank": rank,
-    }
-
-
-def checker_response(action: str, per_rank: list[dict[str, Any]], rank: int | None) -> JSONResponse:
-    """The ``/weights_checker`` answer (sglang's shape, ``CheckWeightsReqOutput``).
-
-    ``checksum``: ``ranks`` holds one ``{"checksums", "per_gpu_checksum", "parallelism_info":
-    [...]}`` per TP rank and ``per_engine_checksum`` digests them in rank order. Every action
-    answers ``ranks`` (tagged with ``rank``); ``rank`` narrows them to one and lifts its fields to
-    the top level. ``compare`` answers 400 ``success: false`` naming every differing tensor.
-    """
-    ranks = [{"rank": r, **v} for r, v in enumerate(per_rank) if rank is None or r == rank]
-    out: dict[str, Any] = {"success": True, "message": "Success.", "ranks": ranks}
-    if action == "checksum":
-        digest = hashlib.sha256()
-        for r in ranks:
-            digest.update(r["per_gpu_checksum"].encode())
-        out["per_engine_checksum"] = digest.hexdigest()
-    if rank is not None:
-        out.update({k: v for k, v in ranks[0].items() if k != "rank"})
-    if action != "compare":
-        return JSONResponse(out)
-    mismatches = [{"rank": r["rank"], **m} for r in ranks for m in r["mismatches"]]
-    bad = [f"[rank{m['rank']}] {m['name']} max_abs_diff={m['max_abs_diff']}" for m in mismatches]
-    out.update(
-        success=not bad,
-        equal=not bad,
-        mismatches=mismatches,
-        message="All weights equal." if not bad else "check tensor equality failed: " + "; ".join(bad),
-    )
-    return JSONResponse(out, status_code=200 if not bad else 400)
 
 
 def _rank_param(request: Request, par: RolloutParallel) -> int:

@@ -3,8 +3,10 @@
 :class:`UpdateSessions` holds the engine's weight state -- its :class:`~weightsync.engine.states.State`,
 *dirty* (the served weights may not be the published version; dirty weights are never served), the
 published ``weight_version``, the open :class:`Session` (its id, whether it wrote, the version it
-publishes) -- with the parameter tables senders write to (``transfer_infos``) and the
-weight-update groups. Every transition and every refusal is decided by the state machine's table,
+publishes) -- with the parameter tables senders write to (``transfer_infos``); the
+weight-update groups and the memory occupation are its mixin's,
+:mod:`weightsync.engine.session_resources`, the fleet's rows :mod:`weightsync.engine.session_fleet`'s.
+Every transition and every refusal is decided by the state machine's table,
 :data:`weightsync.engine.states.TRANSITIONS` (docs/engine.md, "States", renders it): a method
 looks its event up (:meth:`UpdateSessions._decide`), does its work, and enters the rule's next
 state (:meth:`UpdateSessions._enter`, the one place the state changes).
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from weightsync.engine.engine import TransferInfo
 from weightsync.engine.loader import validate_checkpoint
 from weightsync.engine.scheduler import Scheduler, Unavailable
 from weightsync.engine.session_fleet import FleetSessions
+from weightsync.engine.session_resources import DEFAULT_GROUP_TIMEOUT_S, ResourceSessions
 from weightsync.engine.states import NOT_LIVE_CHECKED, Conflict, Event, Facts, Rule, State, When, decide
 from weightsync.models.checkpoint import HFCheckpoint
 from weightsync.sync.broadcast_receiver import check_update_request
@@ -51,28 +53,6 @@ from weightsync.sync.update_options import FLIPS
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-DEFAULT_GROUP_TIMEOUT_S = 600.0
-GROUP_POLL_S = 0.05
-
-
-MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
-"""sglang's ``srt/constants.py`` ``GPU_MEMORY_ALL_TYPES``."""
-
-
-def _memory_tags(tags: list[str] | None) -> list[str]:
-    """The tags of a memory call (sglang: None or [] means all).
-
-    Raises:
-        ValueError: a tag sglang does not have.
-    """
-    unknown = sorted(set(tags or ()) - set(MEMORY_TAGS))
-    if unknown:
-        raise ValueError(f"unknown memory tags {unknown}: sglang's are {', '.join(MEMORY_TAGS)}")
-    return list(tags) if tags else list(MEMORY_TAGS)
-
-
-class GroupError(RuntimeError):
-    """Joining a weight-update group failed (HTTP 400 with sglang's message)."""
 
 
 @dataclass(slots=True)
@@ -92,7 +72,7 @@ class Session:
     """How its publication flips (``swap``, ``copy``), None when it writes the served copy in place."""
 
 
-class UpdateSessions(FleetSessions):
+class UpdateSessions(FleetSessions, ResourceSessions):
     """The engine's weight state and its update sessions (module docstring); the scheduler's gate.
 
     Every method that changes the state holds the scheduler's lock while it decides and enters a
@@ -556,81 +536,6 @@ class UpdateSessions(FleetSessions):
                 message += f" Weight version updated to {weight_version}."
             self.lock.notify_all()
         return {"success": True, "message": message, "per_rank": per_rank, "num_paused_requests": 0}
-
-    def release_memory(self, tags: list[str] | None) -> None:
-        """``/release_memory_occupation`` (the ``release_memory_occupation`` rows): nothing is
-        freed; the tags (all when None or empty) are recorded.
-
-        Raises:
-            NotIdle: generation in progress (sglang's assertion, its message).
-            ValueError: a tag sglang does not have.
-        """
-        tags = _memory_tags(tags)
-        with self.lock:
-            self._decide(Event.RELEASE)
-            self.released |= set(tags)
-
-    def resume_memory(self, tags: list[str] | None) -> None:
-        """``/resume_memory_occupation``: the tags (all when None or empty) are cleared.
-
-        Raises:
-            ValueError: a tag sglang does not have.
-        """
-        tags = _memory_tags(tags)
-        with self.lock:
-            self._decide(Event.RESUME)
-            self.released -= set(tags)
-
-    def init_group(self, **kwargs: Any) -> dict[str, Any]:
-        """``/init_weights_update_group``: every rank joins in the background (the engine generates
-        meanwhile) and this call waits at most ``group_timeout_s`` for all of them.
-
-        Raises:
-            ValueError: the group exists.
-            EngineTimeout: the rendezvous did not complete in time (names the master).
-            RuntimeError: a rank failed to join (its message).
-        """
-        name = kwargs["group_name"]
-        where = f"{kwargs['master_address']}:{kwargs['master_port']}"
-        with self.lock:
-            if name in self._groups or name in self._joining:
-                raise ValueError(f"weight update group {name!r} exists; destroy it first")
-            self._joining.add(name)
-        try:
-            self.scheduler.call(lambda: self.driver.run(Op.INIT_GROUP_START, **kwargs), "init_weights_update_group")
-            deadline = time.monotonic() + self.group_timeout_s + 5.0  # the ranks' own deadline comes first
-            while True:
-                statuses = self.scheduler.call(lambda: self.driver.run(Op.GROUP_STATUS, group_name=name),
-                                               "init_weights_update_group")
-                failed = [s for s in statuses if s not in ("ok", "pending")]
-                if failed or all(s == "ok" for s in statuses):
-                    break
-                if time.monotonic() >= deadline:
-                    failed = [f"the rendezvous with the master at {where} did not complete within "
-                              f"{self.group_timeout_s:.0f} s"]
-                    break
-                time.sleep(GROUP_POLL_S)
-            if failed:
-                self.scheduler.call(lambda: self.driver.run(Op.ABANDON_GROUP, group_name=name),
-                                    "init_weights_update_group")
-                raise GroupError("; ".join(failed))
-        finally:
-            with self.lock:
-                self._joining.discard(name)
-        with self.lock:
-            self._groups.add(name)
-        return {"success": True, "message": "Succeeded to initialize custom process group.", "per_rank": statuses}
-
-    def destroy_group(self, group_name: str) -> dict[str, Any]:
-        """``/destroy_weights_update_group``."""
-        if group_name not in self._groups:
-            raise ValueError("The group to be destroyed does not exist.")
-        with self.lock:
-            self.driver.engine.broadcast.cancel_receives()  # a receive in flight on it ends
-        msgs = self.scheduler.call(lambda: self.driver.run(Op.DESTROY_GROUP, group_name=group_name),
-                                   "destroy_weights_update_group")
-        self._groups.discard(group_name)
-        return {"success": True, "message": "Succeeded to destroy custom process group.", "per_rank": msgs}
 
     def check_weights(
         self, action: str, seed: int = 0, allow_quant_error: bool = False, skip: tuple[str, ...] = ()
