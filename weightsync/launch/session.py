@@ -48,8 +48,11 @@ from weightsync.launch.trainer_worker import SYNTHETIC_LABEL, WorkerConfig
 from weightsync.launch.validate import (
     PARITY_PROMPTS,
     as_engine_holds,
+    compare_ok,
+    compare_snapshot,
     engine_checksum_mismatches,
     expected_checksums,
+    holds_fp8_weights,
     max_abs_diff,
 )
 from weightsync.layout.megatron import trainer_layout
@@ -388,9 +391,9 @@ class RunSession:
             # MLA w_kc / w_vc derived from them then differ too and are left out, as sglang's checker
             # does not see them (they are no parameters there). The checksums below still compare
             # every tensor, derived ones included, with the trainer's weights bit for bit.
-            allow = _holds_fp8_weights(self.hf_dir)
-            results = self.procs.on_engines(lambda c: _compare(c, allow_quant_error=allow))
-            bad = [f"engine {i}: {r}" for i, r in enumerate(results) if not _compare_ok(r)]
+            allow = holds_fp8_weights(self.hf_dir)
+            results = self.procs.on_engines(lambda c: compare_snapshot(c, allow_quant_error=allow))
+            bad = [f"engine {i}: {r}" for i, r in enumerate(results) if not compare_ok(r)]
             validation["check_weight_update_equal"] = "pass" if not bad else "fail: " + "; ".join(bad)[:500]
         elif not validation:
             validation["check_weight_update_equal"] = "skipped"
@@ -523,10 +526,6 @@ class RunSession:
         print(step_line(record), flush=True)
 
 
-DERIVED_MLA = (".w_kc", ".w_vc")
-"""Name suffixes of the engine tensors derived from MLA ``kv_b_proj`` after every load or update."""
-
-
 def _is_synthetic(hf_dir: Path) -> bool:
     """Whether the run's checkpoint holds synthetic weights (which never solve a math prompt)."""
     from weightsync.sources.prepare import weights_label
@@ -546,33 +545,6 @@ def _memory_line(memory: dict[str, Any], when: str) -> str:
                else "")
         parts.append(f"trainer rank {r} (MB): {items}{gpu}")
     return f"memory {when}: " + "; ".join(parts)
-
-
-def _holds_fp8_weights(hf_dir: Path) -> bool:
-    """Whether the checkpoint stores float8 weights (a real block-fp8 checkpoint)."""
-    from weightsync.models.checkpoint import HFCheckpoint
-
-    with HFCheckpoint(hf_dir) as ckpt:
-        return any(ckpt.meta(n)[1] == "float8_e4m3fn" for n in ckpt.names())
-
-
-def _compare(client: EngineClient, *, allow_quant_error: bool = False) -> Any:
-    """``/weights_checker compare``; a mismatch answers HTTP 400 with the report, kept as the result."""
-    try:
-        if allow_quant_error:
-            return client.weights_checker("compare", allow_quant_error=True, skip_tensor_list=list(DERIVED_MLA))
-        return client.weights_checker("compare")
-    except EngineError as exc:
-        return {"equal": False, "error": str(exc)[:1000]}
-
-
-def _compare_ok(result: Any) -> bool:
-    if isinstance(result, dict):
-        if "mismatches" in result:
-            return not result["mismatches"]
-        if "equal" in result:
-            return bool(result["equal"])
-    return False
 
 
 __all__ = ["EngineError", "RunError", "RunSession"]

@@ -11,6 +11,7 @@ prompts come from a single-process reference forward of the same global tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from weightsync.layout.sglang import engine_layout
 from weightsync.models.hf import global_tensors
 from weightsync.models.parallel import RolloutParallel
 from weightsync.models.spec import ModelSpec
+from weightsync.sync.engine_client import EngineClient, EngineError
 
 ReadGlobal = Callable[[str], torch.Tensor]
 """Global tensor name -> the full tensor (trainer's weights at some step)."""
@@ -167,3 +169,38 @@ def max_abs_diff(a: Sequence[float | None], b: Sequence[float | None]) -> float:
     """Largest |a_i - b_i| over positions where both are numbers."""
     diffs = [abs(x - y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
     return max(diffs, default=0.0)
+
+
+# -- step 0: the engines' weights against their snapshot (check-weight-update-equal) ------------------
+
+
+DERIVED_MLA = (".w_kc", ".w_vc")
+"""Name suffixes of the engine tensors derived from MLA ``kv_b_proj`` after every load or update."""
+
+
+def holds_fp8_weights(hf_dir: Path) -> bool:
+    """Whether the checkpoint stores float8 weights (a real block-fp8 checkpoint)."""
+    from weightsync.models.checkpoint import HFCheckpoint
+
+    with HFCheckpoint(hf_dir) as ckpt:
+        return any(ckpt.meta(n)[1] == "float8_e4m3fn" for n in ckpt.names())
+
+
+def compare_snapshot(client: EngineClient, *, allow_quant_error: bool = False) -> Any:
+    """``/weights_checker compare``; a mismatch answers HTTP 400 with the report, kept as the result."""
+    try:
+        if allow_quant_error:
+            return client.weights_checker("compare", allow_quant_error=True, skip_tensor_list=list(DERIVED_MLA))
+        return client.weights_checker("compare")
+    except EngineError as exc:
+        return {"equal": False, "error": str(exc)[:1000]}
+
+
+def compare_ok(result: Any) -> bool:
+    """Whether a :func:`compare_snapshot` answer says the weights equal the snapshot."""
+    if isinstance(result, dict):
+        if "mismatches" in result:
+            return not result["mismatches"]
+        if "equal" in result:
+            return bool(result["equal"])
+    return False
