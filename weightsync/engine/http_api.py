@@ -392,7 +392,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        return {**ctx.server_info, "internal_states": [sessions.status()]}
+        # last_join: the outcome of this engine's last join from a peer (its peer, version, timings)
+        last_join = ctx.joiner.last if ctx.joiner is not None else None
+        return {**ctx.server_info, "internal_states": [{**sessions.status(), "last_join": last_join}]}
 
     @app.get("/model_info")
     @app.get("/get_model_info")
