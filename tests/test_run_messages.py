@@ -40,6 +40,7 @@ MESSAGES = [
     m.SetupUpdater(engine_urls=("http://10.0.0.2:30000",), config=UpdaterConfig(mode="both", transport=MOONCAKE_RDMA)),
     m.TrainStep(samples=({"prompt_ids": [1, 2], "output_ids": [3], "rollout_logprobs": [-0.5], "text": "x"},)),
     m.Update(version=3, mode=Mode.BROADCAST),
+    m.Refresh(),
     m.Export(directory="/tmp/x"),
     m.Memory(),
     m.Stop(),

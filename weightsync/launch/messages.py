@@ -10,6 +10,8 @@ type the command names (``Command[R]``), in this order::
                                   connections, registration, checks
     TrainStep (TRAIN_STEP)        one step of its trainer backend             TrainStats
     Update (UPDATE)               one whole update of every engine            UpdateStats
+    Refresh (REFRESH)             its updater's refresh(): engines replaced   bool (changed)
+                                  or back rejoin the plan
     Export (EXPORT)               megatron: the stage sources write the full  Exported
                                   tensors (the run's reference copy)
     Memory (MEMORY)               the bytes it holds                          dict[str, int]
@@ -44,6 +46,7 @@ class Cmd(enum.StrEnum):
     SETUP_UPDATER = "setup_updater"
     TRAIN_STEP = "train_step"
     UPDATE = "update"
+    REFRESH = "refresh"
     EXPORT = "export"
     MEMORY = "memory"
     STOP = "stop"
@@ -159,6 +162,15 @@ class Update(Command["UpdateStats"]):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Refresh(Command[bool]):
+    """``WeightUpdater.refresh()`` on every rank (collective): an engine restarted where one served
+    (new sessions and addresses) or back from a drop takes part in the next update; the reply
+    says whether the senders were rebuilt."""
+
+    cmd: ClassVar[Cmd] = Cmd.REFRESH
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Export(Command[Exported]):
     cmd: ClassVar[Cmd] = Cmd.EXPORT
     directory: str
@@ -174,9 +186,9 @@ class Stop(Command[None]):
     cmd: ClassVar[Cmd] = Cmd.STOP
 
 
-COMMANDS: tuple[type[Command[Any]], ...] = (SetupUpdater, TrainStep, Update, Export, Memory, Stop)
+COMMANDS: tuple[type[Command[Any]], ...] = (SetupUpdater, TrainStep, Update, Refresh, Export, Memory, Stop)
 """One record per :class:`Cmd` member, in the protocol's order."""
 
 
-__all__ = ["COMMANDS", "Cmd", "Command", "Export", "Exported", "Memory", "Reply", "SetupUpdater", "Started", "Status",
-           "Stop", "TrainStats", "TrainStep", "Update", "UpdaterReady"]
+__all__ = ["COMMANDS", "Cmd", "Command", "Export", "Exported", "Memory", "Refresh", "Reply", "SetupUpdater", "Started",
+           "Status", "Stop", "TrainStats", "TrainStep", "Update", "UpdaterReady"]

@@ -147,6 +147,10 @@ class Placement(ABC):
         """The engines' access token (module docstring); None: none yet."""
         self.token_file: Path | None = None
         """Where the token this run made for its engines is (mode 0600); None: it made none."""
+        self._launched: dict[int, tuple[EngineEndpoint, list[str]]] = {}
+        """Engine index -> where this run started it and its command line (:meth:`replace_engine`)."""
+        self._replaced: dict[int, int] = {}
+        """Engine index -> how many times it was replaced."""
 
     # -- addresses ------------------------------------------------------------------------------
     @abstractmethod
@@ -177,7 +181,9 @@ class Placement(ABC):
             if ep.remote:
                 log.info("engine %d serves on %s (reachable from other hosts: its control endpoints are open to the "
                          "cluster network)", ep.index, ep.url)
-            self.engines.append(self._start_engine(ep, list(argv_for(ep))))
+            argv = list(argv_for(ep))
+            self._launched[ep.index] = (ep, argv)
+            self.engines.append(self._start_engine(ep, argv))
         for e in self.engines:
             try:
                 e.client.wait_healthy(timeout_s=timeout_s, proc_alive=e.alive)
@@ -185,13 +191,40 @@ class Placement(ABC):
                 raise EngineError(f"{exc}\n--- engine {e.index} log ({self.engine_log(e.index)}) ---\n{e.tail()}"
                                   ) from None
 
-    @abstractmethod
-    def _start_engine(self, ep: EngineEndpoint, argv: list[str]) -> EngineHandle:
-        """Start one engine's process; its handle (an :class:`EngineHandle`)."""
+    def launched(self, index: int) -> bool:
+        """Whether this run started engine ``index`` (else it was attached: never restarted)."""
+        return index in self._launched
 
-    def engine_log(self, index: int) -> str:
-        """Where engine ``index`` writes its output (on its own node)."""
-        return str(self.log_dir / f"engine{index}.log")
+    def replaced(self, index: int) -> int:
+        """How many times engine ``index`` was replaced (:meth:`replace_engine`)."""
+        return self._replaced.get(index, 0)
+
+    def replace_engine(self, index: int, extra: Sequence[str]) -> EngineHandle:
+        """Start engine ``index`` again where it served -- its endpoint (host, port, node), its
+        command line with ``extra`` appended, its environment -- once what is left of the old one
+        is stopped (a hung process is killed); the new handle takes its place in :attr:`engines`.
+        It writes a log of its own (:meth:`engine_log`); this does not wait for it.
+
+        Raises:
+            KeyError: this run did not start engine ``index``.
+        """
+        ep, argv = self._launched[index]
+        self.engines[index].stop()
+        self._replaced[index] = self._replaced.get(index, 0) + 1
+        handle = self._start_engine(ep, [*argv, *extra], replacement=self._replaced[index])
+        self.engines[index] = handle
+        return handle
+
+    @abstractmethod
+    def _start_engine(self, ep: EngineEndpoint, argv: list[str], *, replacement: int = 0) -> EngineHandle:
+        """Start one engine's process (``replacement``: the how-manieth replacement of the engine
+        at ``ep``, 0 for the first start); its handle (an :class:`EngineHandle`)."""
+
+    def engine_log(self, index: int, replacement: int = 0) -> str:
+        """Where engine ``index`` writes its output (on its own node); a replacement in a file of
+        its own, next to its predecessor's (which says why that one stopped)."""
+        return str(self.log_dir / (f"engine{index}.log" if not replacement else
+                                   f"engine{index}-replacement{replacement}.log"))
 
     def attach_engines(self, urls: Sequence[str]) -> None:
         """Use engines that are already serving (they are left running on close)."""
@@ -415,12 +448,12 @@ class LocalPlacement(Placement):
         return [EngineEndpoint(index=e, node=0, host=self.host, port=free_port(self.host), remote=False)
                 for e in range(len(self.nodes.engines))]
 
-    def _start_engine(self, ep: EngineEndpoint, argv: list[str]) -> EngineProc:
+    def _start_engine(self, ep: EngineEndpoint, argv: list[str], *, replacement: int = 0) -> EngineProc:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         if DIE_WITH_PARENT not in argv:  # the launcher's death, even a SIGKILL, stops the engine
             argv = [*argv, DIE_WITH_PARENT]
-        return EngineProc(ep.index, argv, ep.url, Path(self.engine_log(ep.index)), env, token=self.token,
+        return EngineProc(ep.index, argv, ep.url, Path(self.engine_log(ep.index, replacement)), env, token=self.token,
                           timeout_s=self.deadlines.engine_call_s, stop_s=self.deadlines.stop_s)
 
     def _spawn_trainer(self, rank: int, cfg: WorkerConfig) -> RankChannel:

@@ -214,12 +214,14 @@ class RayPlacement(Placement):
             out.append(EngineEndpoint(index=e, node=node, host=host, port=port, remote=remote))
         return out
 
-    def engine_log(self, index: int) -> str:
+    def engine_log(self, index: int, replacement: int = 0) -> str:
         node = self.nodes.engine_node(index)
         return f"{super().engine_log(index)} on node {node} ({self.cluster.nodes[node]})"
 
     # -- processes ------------------------------------------------------------------------------
-    def _start_engine(self, ep: EngineEndpoint, argv: list[str]) -> _RayEngine:
+    def _start_engine(self, ep: EngineEndpoint, argv: list[str], *, replacement: int = 0) -> _RayEngine:
+        # the node's agent writes engine<i>.log there, a replacement's too (its predecessor's cause
+        # was read before it started)
         import ray
 
         agent = self._engine_agents[ep.index]

@@ -46,6 +46,7 @@ from weightsync.launch.messages import (
     Export,
     Exported,
     Memory,
+    Refresh,
     Reply,
     SetupUpdater,
     Started,
@@ -203,6 +204,10 @@ class Worker:
     def update(self, msg: Update) -> UpdateStats:
         return self._updater().update(msg.version, mode=msg.mode)
 
+    def refresh(self) -> bool:
+        """The updater's :meth:`~weightsync.sync.updater.WeightUpdater.refresh` (collective)."""
+        return self._updater().refresh()
+
     def _updater(self) -> WeightUpdater:
         if self.updater is None:
             raise RuntimeError("no updater yet: the launcher sends SetupUpdater first")
@@ -324,6 +329,8 @@ def _dispatch(worker: Worker, msg: Command[Any]) -> Any:
             return worker.train_step(msg.samples)
         case Update():
             return worker.update(msg)
+        case Refresh():
+            return worker.refresh()
         case Export():
             return worker.export(msg.directory)
         case Memory():
