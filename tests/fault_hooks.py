@@ -16,6 +16,11 @@ Faults, on the p2p transport of the updater:
 * ``kill_rank:K:RANK`` -- trainer rank ``RANK`` is SIGKILLed as the write starts;
 * ``stop_rank:K:RANK`` -- trainer rank ``RANK`` is SIGSTOPped as the write starts (a hang, not a
   death: only SIGKILL ends it).
+
+And one of an engine: ``kill_engine:STEP:ENGINE[:update]`` -- as trainer step ``STEP`` (1-based)
+runs, between the step's generation and its update (with ``update``: as update ``STEP`` begins,
+before any engine is called), trainer rank 0 SIGKILLs every process of engine ``ENGINE`` (its
+``weightsync serve`` process group, found by its port) and waits until its rank 0 is gone.
 """
 
 from __future__ import annotations
@@ -120,3 +125,48 @@ def kill_rank(worker: Any, arg: str) -> None:
 
 def stop_rank(worker: Any, arg: str) -> None:
     _signal_rank(worker, arg, signal.SIGSTOP)
+
+
+def kill_engine(worker: Any, arg: str) -> None:
+    step, engine, *when = arg.split(":")
+    if worker.rank != 0:
+        return
+    method = "update" if when == ["update"] else "train_step"
+    real = getattr(worker, method)
+    calls = [0]
+
+    def wrapped(msg: Any) -> Any:
+        calls[0] += 1
+        if (msg.version if method == "update" else calls[0]) == int(step):  # update 0 is the run's first
+            port = worker.updater.engines.urls[int(engine)].rsplit(":", 1)[1]
+            pid = serve_pid(port)
+            os.killpg(pid, signal.SIGKILL)
+            end = time.monotonic() + 30
+            while _running(pid) and time.monotonic() < end:
+                time.sleep(0.05)
+        return real(msg)
+
+    setattr(worker, method, wrapped)
+
+
+def serve_pid(port: str) -> int:
+    """The pid of the ``weightsync serve`` process listening on ``port`` (from its command line)."""
+    from pathlib import Path
+
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+            return int(d.name)
+    raise LookupError(f"no weightsync serve process on port {port}")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (its parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

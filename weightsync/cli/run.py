@@ -86,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flip", choices=FLIPS, default="swap",
                    help="how a pause-free update is published: swap (the shadow becomes the served copy) or copy "
                         "(shadow copied into the served copy, whose addresses never change) (default: swap)")
+    p.add_argument("--replace-dead-engines", action="store_true",
+                   help="an engine this run started that dies (its process exited, or /health fails) is started "
+                        "again on its host, port and GPU before the next generation or update, joins the current "
+                        "version from a healthy engine (serve --join-from) and takes part in the updates again; an "
+                        "engine that fails during an update is dropped from it and the others publish. Engines of "
+                        "--engine-urls are never restarted (default: off, a dead engine stops the run, named)")
     p.add_argument("--deadlines", default="",
                    help="KEY=SECONDS,... replacing the default deadline of each wait: "
                         + ", ".join(f"{f.name.removesuffix('_s')} ({f.default:g})" for f in fields(Deadlines)))
@@ -104,7 +110,7 @@ def request_of(args: argparse.Namespace) -> RunRequest:
                       trainer=args.trainer, transport=args.transport, prompts_per_step=args.prompts_per_step,
                       max_new_tokens=args.max_new_tokens, hf_checkpoint=args.hf_checkpoint, synthetic=args.synthetic,
                       dtype=args.dtype, group_size=args.group_size, lr=args.lr, update_retries=args.update_retries,
-                      pause_free=args.pause_free, flip=args.flip,
+                      pause_free=args.pause_free, flip=args.flip, replace_dead_engines=args.replace_dead_engines,
                       deadlines=Deadlines.parse(args.deadlines))
 
 

@@ -286,6 +286,11 @@ class RunConfig:
     """:attr:`~weightsync.sync.updater_config.UpdaterConfig.pause_free` (``--pause-free``)."""
     flip: str = "swap"
     """:attr:`~weightsync.sync.updater_config.UpdaterConfig.flip` (``--flip``)."""
+    replace_dead_engines: bool = False
+    """``--replace-dead-engines``: an engine this run started that died is started again where it
+    served, joins the current version from a healthy peer and rejoins the updates
+    (:mod:`~weightsync.launch.replace`); the updates drop an engine that fails in them. Off: a
+    dead engine stops the run, named."""
     deadlines: Deadlines = field(default_factory=Deadlines)
     """Every wait of the run (``--deadlines``)."""
     extra: dict[str, str] = field(default_factory=dict)

@@ -154,7 +154,8 @@ def summary(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run's figures, per mode: ``modes`` maps each mode that ran to its :func:`mode_figures`;
     with both modes, ``p2p_speedup`` is broadcast's mean update time over p2p's. Over every update
     after the first: the engines' idle time (``mean_engine_idle_s``, ``max_engine_idle_s``) and how
-    many were pause-free. Validation over every step (``validation_passed``, and each failure named)."""
+    many were pause-free. Validation over every step (``validation_passed``, and each failure named).
+    Engines replaced (``run --replace-dead-engines``): ``engine_replacements``, where any was."""
     failed = [
         f"step {s['step']}: {k}: {v}"
         for s in steps
@@ -177,6 +178,9 @@ def summary(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     p2p, bc = out["modes"].get("p2p"), out["modes"].get("broadcast")
     if p2p and bc and p2p["mean_update_s"]:
         out["p2p_speedup"] = bc["mean_update_s"] / p2p["mean_update_s"]
+    replaced = [r for s in steps for r in s.get("replacements", ())]
+    if replaced:  # run --replace-dead-engines
+        out["engine_replacements"] = replaced
     return out
 
 
@@ -216,6 +220,9 @@ def summary_text(s: dict[str, Any]) -> str:
         p2p, bc = s["modes"]["p2p"], s["modes"]["broadcast"]
         share = f", {p2p['bytes_per_update'] / bc['bytes_per_update']:.2f}x the bytes" if bc["bytes_per_update"] else ""
         lines.append(f"  p2p vs broadcast: {s['p2p_speedup']:.2f}x faster (mean update time){share}")
+    for r in s.get("engine_replacements", ()):
+        lines.append(f"  engine {r['engine']} replaced before step {r['step']}'s {r['before']}: served version "
+                     f"{r['version']} after {r['serve_s']:.1f} s, joined from {r['peer']}")
     return "\n".join(lines)
 
 

@@ -75,6 +75,7 @@ class RunRequest:
     update_retries: int = 0
     pause_free: str = "auto"
     flip: str = "swap"
+    replace_dead_engines: bool = False
     deadlines: Deadlines = field(default_factory=Deadlines)
 
 
@@ -135,7 +136,7 @@ def resolve_run(req: RunRequest, env: EnvSettings, *, say: Callable[[str], None]
                      hf_checkpoint=req.hf_checkpoint, synthetic=req.synthetic, nodes=nodes, cluster=cluster,
                      placement=placement, trainer=trainer, group_size=req.group_size, lr=req.lr,
                      update_retries=req.update_retries, pause_free=req.pause_free, flip=req.flip,
-                     deadlines=req.deadlines)
+                     replace_dead_engines=req.replace_dead_engines, deadlines=req.deadlines)
 
 
 def _sizes(req: RunRequest, have: int, *, multi_node: bool, own_checkpoint: bool, say: Callable[[str], None]

@@ -31,9 +31,10 @@ from typing import Any
 
 from weightsync.engine.config import option_flags
 from weightsync.launch.config import RunConfig
-from weightsync.launch.messages import Export, Memory, SetupUpdater, TrainStep, Update
+from weightsync.launch.messages import Export, Memory, Refresh, SetupUpdater, TrainStep, Update
 from weightsync.launch.placement import EngineEndpoint, LocalPlacement, Placement
 from weightsync.launch.procs import TrainerError, serve_argv
+from weightsync.launch.replace import EngineReplacer, ReplaceError
 from weightsync.launch.report import (
     error_summary,
     plot_phases,
@@ -111,6 +112,8 @@ class RunSession:
         self._memory: dict[str, Any] = {}
         self._verified = False
         self._exported = cfg.log_dir / "trainer_weights"
+        self._replacer = (EngineReplacer(self.procs, timeout_s=cfg.deadlines.engine_start_s)
+                          if cfg.replace_dead_engines else None)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -120,14 +123,21 @@ class RunSession:
             self.steps.append(self.initial_update())
             self._print_step(self.steps[-1])
             for step in range(1, self.cfg.num_steps + 1):
+                replaced = self.replace_dead(step, "generate")
                 samples = self.generate(step)
                 trained = self.train(samples)
+                replaced += self.replace_dead(step, "update")
                 record = self.update(step)
+                replaced += self.replace_dead(step, "validate")  # one that died in the update joins it
                 record["train"] = trained
+                if self._replacer is not None:
+                    record["replacements"] = replaced
                 record.update(self.validate(step))
                 self.steps.append(record)
                 self._print_step(record)
             return self.finish()
+        except ReplaceError as exc:  # names the dead engine and what its replacement did
+            raise RunError(f"{exc}\n(the run stopped at step {len(self.steps)})") from exc
         except (RunError, EngineError, TrainerError) as exc:
             causes = self.procs.diagnose_engines()
             if not causes:
@@ -290,7 +300,9 @@ class RunSession:
                              colocated=self.cfg.placement == "colocated", verify_every=1, master_address=host,
                              deadline_s=d.write_s, http_timeout_s=d.engine_call_s, group_timeout_s=d.group_s,
                              update_retries=self.cfg.update_retries, pause_free=self.cfg.pause_free,
-                             flip=self.cfg.flip, token=self.procs.token)
+                             flip=self.cfg.flip, token=self.procs.token,
+                             # a replaced engine rejoins between updates: one failing in an update is dropped
+                             on_engine_failure="drop" if self.cfg.replace_dead_engines else "auto")
 
     def setup_updater(self) -> None:
         """Every trainer rank builds its :class:`~weightsync.sync.updater.WeightUpdater` (plan
@@ -312,6 +324,25 @@ class RunSession:
         return [ParamStore.required_bytes(list(self.inputs.dest_layout(r))) for r in range(self.cfg.rollout.tp)]
 
     # -- steps ----------------------------------------------------------------------------------
+    def replace_dead(self, step: int, before: str) -> list[dict[str, Any]]:
+        """``--replace-dead-engines``: every engine this run started that died is started again and
+        joins the current version from a healthy peer (:mod:`~weightsync.launch.replace`); then
+        the trainer ranks' updaters re-read the engines. Returns the replacements (none without
+        the option)."""
+        if self._replacer is None:
+            return []
+        done = self._replacer.replace_dead(step, str(self.version), before)
+        if done:
+            for r in done:
+                self._gen_clients[r["engine"]].close()
+                self._gen_clients[r["engine"]] = EngineClient(self.procs.engines[r["engine"]].url,
+                                                              timeout_s=self.cfg.deadlines.generate_s,
+                                                              token=self.procs.token)
+            self.procs.command(Refresh())
+            if Mode.P2P in self.cfg.modes:  # the replacements' sessions, for results.json
+                self._infos = self._transfer_infos()
+        return done
+
     def generate(self, step: int) -> list[dict[str, Any]]:
         """Every engine generates for a batch of prompts, each prompt ``group_size`` times (the
         groups GRPO normalises over); returns the samples (prompt and output tokens, text, the
@@ -367,6 +398,7 @@ class RunSession:
             "bytes_per_receiver": {str(k): v for k, v in sorted(stats.bytes_per_receiver.items())},
             "buckets": stats.buckets, "update_verified": stats.verified,
             "attempts": stats.attempts, "failed_attempts": list(stats.failed_attempts),
+            **({"dropped": {str(k): v for k, v in sorted(stats.dropped.items())}} if stats.dropped else {}),
         }
 
     def initial_update(self) -> dict[str, Any]:
