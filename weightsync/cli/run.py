@@ -88,10 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(shadow copied into the served copy, whose addresses never change) (default: swap)")
     p.add_argument("--replace-dead-engines", action="store_true",
                    help="an engine this run started that dies (its process exited, or /health fails) is started "
-                        "again on its host, port and GPU before the next generation or update, joins the current "
-                        "version from a healthy engine (serve --join-from) and takes part in the updates again; an "
-                        "engine that fails during an update is dropped from it and the others publish. Engines of "
-                        "--engine-urls are never restarted (default: off, a dead engine stops the run, named)")
+                        "again on its host, port and GPU before the step's next generation, update or validation, "
+                        "joins the current version from a healthy engine (serve --join-from; the run waits until it "
+                        "serves it) and takes part in the updates again; an engine that fails during an update is "
+                        "dropped from it and the others publish. Engines of --engine-urls are never restarted "
+                        "(default: off, a dead engine stops the run, named)")
     p.add_argument("--deadlines", default="",
                    help="KEY=SECONDS,... replacing the default deadline of each wait: "
                         + ", ".join(f"{f.name.removesuffix('_s')} ({f.default:g})" for f in fields(Deadlines)))

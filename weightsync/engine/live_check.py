@@ -3,9 +3,9 @@ published; a write that no session made flips the engine to dirty.
 
 Some transports write the served parameters in place, and some accept writes from any process
 that reaches them: Mooncake's TCP data port and RDMA queue pairs take writes into registered
-memory from every peer that completed its handshake, with no authentication (README,
-"Security"). Such a write between updates changes what the engine serves without any call. The
-live check makes it detectable: when weights are published (at start, and by every session that
+memory from every peer that completed its handshake, with no authentication (docs/security.md).
+Such a write between updates changes what the engine serves without any call. The live check
+makes it detectable: when weights are published (at start, and by every session that
 publishes) the check takes a *reference*, every rank's digest of every tensor of the served copy
 (:meth:`~weightsync.engine.checker.WeightChecker.live_digest`: fingerprints with a seed of the
 engine's own, never published, on a GPU; xxh64 on the CPU); then, every ``interval_s`` and on

@@ -316,7 +316,7 @@ def _say_exposure(cfg: ServeConfig) -> None:
         return
     logger.warning("the %s transport's ports on %s take reads and writes of the served weights from any peer that "
                    "reaches them: it has no authentication (the token guards HTTP only); keep that network private "
-                   "and firewalled to the trainer hosts (README, Security). %s", kind, cfg.host,
+                   "and firewalled to the trainer hosts (docs/security.md). %s", kind, cfg.host,
                    f"The served weights are checked every {cfg.live_check_s:g} s: a write outside an update session "
                    "makes them dirty." if cfg.live_check_s > 0 else "The live weights check is off.")
 
