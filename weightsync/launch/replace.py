@@ -16,7 +16,8 @@ serve the current version and which peer gave it; each is kept in the step's rec
 (``replacements``) and ``results.json``'s summary. A replacement that does not serve (it exits,
 its join fails on every peer, the engine start deadline passes) stops the run, naming both
 causes. Engines the run did not start (``--engine-urls``) are never restarted: a dead one stops
-the run. Nothing is restarted when no engine is left healthy to join from.
+the run. Nothing is restarted when no engine is left healthy to join from. An engine that dies
+while the step generates or is validated still stops the run: those calls are not retried.
 """
 
 from __future__ import annotations
