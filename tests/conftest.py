@@ -39,7 +39,15 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+NETWORK_TESTS = ("test_multinode_namespaces.py", "test_security_run.py", "test_security_processes.py")
+"""Files whose tests build network namespaces with fixed 198.18.0.0/15 addresses: under pytest-xdist
+(``scripts/test.sh``) they run on one worker, one at a time."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in NETWORK_TESTS:
+            item.add_marker(pytest.mark.xdist_group("network"))
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items or _cuda_available():  # import torch only when some test asks for a GPU
         return

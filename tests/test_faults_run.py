@@ -233,7 +233,7 @@ def test_an_engine_rank_killed_or_stopped_is_named_and_leaks_nothing(sig: signal
 
     out_path = tmp_path / "out.txt"
     argv = [*RUN[:2], "--train", "tp=1,cp=1,world=1", "--rollout", "tp=2,engines=1", "--mode", "p2p",
-            "--num-rollout", "40", "--deadlines", "engine_call=20,generate=20,collective=20,stop=5"]
+            "--num-rollout", "40", "--deadlines", "engine_call=10,generate=10,collective=10,stop=5"]
     with open(out_path, "w") as out:
         proc = subprocess.Popen([PYTHON, "-m", "weightsync.cli", *argv], cwd=REPO_ROOT, stdout=out,
                                 stderr=subprocess.STDOUT, env=run_env(e2e_ckpt, tmp_path / "logs"))
