@@ -20,7 +20,7 @@ from typing import Any
 from weightsync.launch.cluster import ClusterError, HeadCluster, node_resource
 from weightsync.launch.messages import Command, Reply
 from weightsync.launch.placement import LOOPBACK, EngineEndpoint, Placement, RankChannel
-from weightsync.launch.procs import engine_log_cause, health_cause
+from weightsync.launch.procs import health_cause
 from weightsync.launch.trainer_worker import WorkerConfig
 from weightsync.models.fit import NodePlan
 from weightsync.sync.engine_client import EngineClient
@@ -63,11 +63,13 @@ class _RayEngine:
         self.agent.request_stop_engine.remote()
 
     def diagnose(self) -> str:
+        """Its agent's diagnosis on the node (its exit code, the cause its log names); when the
+        agent does not answer, what can be seen from here."""
+        why = self._call("engine_diagnose")
+        if why is not None:
+            return str(why)
         what = f"engine {self.index} ({self.url}, node {self.node})"
-        if not self.alive():
-            cause = engine_log_cause(self.tail(200))
-            return f"{what} exited" + (f": {cause}" if cause else "")
-        return health_cause(self.client, what)
+        return health_cause(self.client, what) or f"{what}: its agent on node {self.node} does not answer"
 
     def stop(self) -> None:
         self.client.close()
@@ -216,16 +218,18 @@ class RayPlacement(Placement):
 
     def engine_log(self, index: int, replacement: int = 0) -> str:
         node = self.nodes.engine_node(index)
-        return f"{super().engine_log(index)} on node {node} ({self.cluster.nodes[node]})"
+        return f"{super().engine_log(index, replacement)} on node {node} ({self.cluster.nodes[node]})"
 
     # -- processes ------------------------------------------------------------------------------
     def _start_engine(self, ep: EngineEndpoint, argv: list[str], *, replacement: int = 0) -> _RayEngine:
-        # the node's agent writes engine<i>.log there, a replacement's too (its predecessor's cause
-        # was read before it started)
+        """The engine's agent starts it on its node (a replacement too: the node, the environment
+        and the endpoint of the engine it replaces), its log the file :meth:`engine_log` names there."""
         import ray
 
         agent = self._engine_agents[ep.index]
-        ray.get(agent.start_engine.remote(ep.index, argv, ep.url, self.token), timeout=AGENT_CALL_TIMEOUT_S)
+        name = Path(super().engine_log(ep.index, replacement)).name
+        ray.get(agent.start_engine.remote(ep.index, argv, ep.url, self.token, ep.node, name),
+                timeout=AGENT_CALL_TIMEOUT_S)
         return _RayEngine(ep.index, ep.url, agent, ep.node, self.token, timeout_s=self.deadlines.engine_call_s)
 
     def _spawn_trainer(self, rank: int, cfg: WorkerConfig) -> RankChannel:

@@ -63,12 +63,14 @@ class EngineProc:
 
     def __init__(self, index: int, argv: Sequence[str], url: str, log_path: Path, env: dict[str, str], *,
                  preexec_fn: Callable[[], None] | None = None, token: str | None = None, timeout_s: float = 600.0,
-                 stop_s: float = 15.0) -> None:
+                 stop_s: float = 15.0, where: str = "") -> None:
         """``token``: the engine's (in its environment as ``WEIGHTSYNC_TOKEN``, never on its
         command line) and sent by its client; None: the environment's, if any. ``timeout_s``: per
-        HTTP call of its client; ``stop_s``: how long :meth:`stop` waits before it kills."""
+        HTTP call of its client; ``stop_s``: how long :meth:`stop` waits before it kills;
+        ``where``: added to its URL in what :meth:`diagnose` says (``node 1``)."""
         self.index = index
         self.url = url
+        self.where = where
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 -- closed in stop()
         if token is not None:
@@ -92,7 +94,7 @@ class EngineProc:
     def diagnose(self) -> str:
         """Why this engine cannot serve, in one line ("" when nothing is wrong that can be seen): its
         exit and the cause its log names, a rank process stopped (SIGSTOP), or its ``/health``."""
-        what = f"engine {self.index} ({self.url})"
+        what = f"engine {self.index} ({self.url}{', ' + self.where if self.where else ''})"
         for pid in self.pids():
             stopped = stopped_reason(pid)
             if stopped:

@@ -8,9 +8,11 @@ An agent starts exactly one process of the run on its node, as the single-node p
 its host: an engine (``weightsync serve`` with this node's Python, its output in
 ``<log dir>/engine<i>.log`` on this node) or a trainer rank (a spawned process driven over a pipe,
 whose commands the agent relays, its output in ``<log dir>/trainer<r>.log``). The process dies with
-the agent (``PR_SET_PDEATHSIG``), and the agent stops it when told. Collectives of these processes
-(gloo, NCCL) bind the interface of the node's address (``GLOO_SOCKET_IFNAME`` /
-``NCCL_SOCKET_IFNAME``, unless the environment sets them).
+the agent (``PR_SET_PDEATHSIG``), and the agent stops it when told. An engine that dies ends nothing
+else: the agent stays and answers for it (its exit, its log), and starts its replacement when the
+launcher asks (``run --replace-dead-engines``), in this node's environment, with a log of its own.
+Collectives of these processes (gloo, NCCL) bind the interface of the node's address
+(``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless the environment sets them).
 """
 
 from __future__ import annotations
@@ -82,14 +84,18 @@ class NodeAgent:
         return free_port(self.ip)
 
     # -- an engine ------------------------------------------------------------------------------
-    def start_engine(self, index: int, argv: list[str], url: str, token: str | None = None) -> str:
+    def start_engine(self, index: int, argv: list[str], url: str, token: str | None = None, node: int = 0,
+                     log_name: str = "") -> str:
         """Start engine ``index`` (``argv[0]``, the launcher's Python, becomes this node's) with
-        the run's ``token``; returns its log path."""
+        the run's ``token``, its output in ``log_name`` under the log directory (default
+        ``engine<index>.log``; a replacement's is a file of its own); returns its log path. A
+        replacement starts the same way, in this node's environment, once its predecessor was
+        stopped (:meth:`stop_engine`)."""
         from weightsync.launch.procs import EngineProc
 
-        path = self.log_dir / f"engine{index}.log"
+        path = self.log_dir / (log_name or f"engine{index}.log")
         self._engine = EngineProc(index, [sys.executable, *argv[1:]], url, path, _node_env(self.ip),
-                                  preexec_fn=die_with_parent, token=token)
+                                  preexec_fn=die_with_parent, token=token, where=f"node {node}")
         return str(path)
 
     def engine_alive(self) -> bool:
@@ -97,6 +103,11 @@ class NodeAgent:
 
     def engine_tail(self, n: int = 30) -> str:
         return self._engine.tail(n) if self._engine is not None else ""
+
+    def engine_diagnose(self) -> str:
+        """Why the engine cannot serve, seen on its node (its exit code and the cause its log
+        names, a rank process stopped, its ``/health``); "" when nothing is wrong."""
+        return self._engine.diagnose() if self._engine is not None else ""
 
     def request_stop_engine(self) -> None:
         if self._engine is not None:
