@@ -20,7 +20,7 @@ Faults, on the p2p transport of the updater:
 And one of an engine: ``kill_engine:STEP:ENGINE[:update]`` -- as trainer step ``STEP`` (1-based)
 runs, between the step's generation and its update (with ``update``: as update ``STEP`` begins,
 before any engine is called), trainer rank 0 SIGKILLs every process of engine ``ENGINE`` (its
-``weightsync serve`` process group, found by its port) and waits until its rank 0 is gone.
+``weightsync serve`` process group, found by its address) and waits until its rank 0 is gone.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ def kill_engine(worker: Any, arg: str) -> None:
     def wrapped(msg: Any) -> Any:
         calls[0] += 1
         if (msg.version if method == "update" else calls[0]) == int(step):  # update 0 is the run's first
-            port = worker.updater.engines.urls[int(engine)].rsplit(":", 1)[1]
-            pid = serve_pid(port)
+            host, port = worker.updater.engines.urls[int(engine)].split("//", 1)[1].rsplit(":", 1)
+            pid = serve_pid(port, host)
             os.killpg(pid, signal.SIGKILL)
             end = time.monotonic() + 30
             while _running(pid) and time.monotonic() < end:
@@ -149,8 +149,9 @@ def kill_engine(worker: Any, arg: str) -> None:
     setattr(worker, method, wrapped)
 
 
-def serve_pid(port: str) -> int:
-    """The pid of the ``weightsync serve`` process listening on ``port`` (from its command line)."""
+def serve_pid(port: str, host: str = "") -> int:
+    """The pid of the ``weightsync serve`` process listening on ``port`` (and ``host``, when given:
+    engines on other hosts' addresses may use the same port) from its command line."""
     from pathlib import Path
 
     for d in Path("/proc").iterdir():
@@ -158,9 +159,10 @@ def serve_pid(port: str) -> int:
             argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"serve" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+        if b"serve" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode() and \
+                (not host or b"--host" not in argv or argv[argv.index(b"--host") + 1] == host.encode()):
             return int(d.name)
-    raise LookupError(f"no weightsync serve process on port {port}")
+    raise LookupError(f"no weightsync serve process on {host or 'any address'}:{port}")
 
 
 def _running(pid: int) -> bool:

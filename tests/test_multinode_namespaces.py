@@ -18,6 +18,11 @@ Contracts:
 * Only the head: the deadline error names how many nodes joined and the missing rank, nothing
   hangs, nothing is left running.
 * The head killed mid-job: the worker exits 1 naming the cause, and both hosts are empty.
+* ``--replace-dead-engines`` with two engines on the second host, one SIGKILLed as step 1 trains
+  (``tests/fault_hooks.py``'s ``kill_engine``): its replacement starts on the second host at the
+  same URL, joins the current version from the other engine, and the run completes every step,
+  each verified, with exit 0 on both nodes; ``results.json`` names the replacement, which logs to
+  a file of its own there; nothing is left running.
 
 Without network namespaces (not root, no iproute2) or without Ray the tests are skipped, saying so;
 there is no fallback to Ray's single-host test cluster, whose nodes share one address (nothing
@@ -257,3 +262,43 @@ def test_worker_exits_1_when_the_head_goes_away(hosts: Hosts, prepared: Path, tm
     left = hosts.wait_empty()
     assert not left, f"still running after the head went away: {left}"
     print(f"head killed: the worker left in {time.monotonic() - t0:.1f} s")
+
+
+def test_a_killed_engine_on_the_worker_is_replaced_there(hosts: Hosts, prepared: Path, tmp_path: Path,
+                                                         short_tmp: Path):
+    log_dir = tmp_path / "logs"
+    # engine 1 (of two on the worker: its replacement joins from the other) SIGKILLed as step 1 trains
+    env = _env(prepared, log_dir, short_tmp, WEIGHTSYNC_FAULT_HOOK="tests.fault_hooks:kill_engine:1:1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    argv = [PYTHON, str(RUN_PY), "run", MODEL, "--head-ip", HEAD_IP, "--mode", "p2p", "--train", "tp=2,ep=2,world=2",
+            "--rollout", "tp=1,ep=1,engines=2", "--num-rollout", "1", "--replace-dead-engines"]
+    t0 = time.monotonic()
+    head = _start(hosts, 0, [*argv, "--node-rank", "0"], env, tmp_path / "head.out")
+    worker = _start(hosts, 1, [*argv, "--node-rank", "1"], env, tmp_path / "worker.out")
+    head_code, head_out = _wait(head, tmp_path / "head.out")
+    worker_code, worker_out = _wait(worker, tmp_path / "worker.out")
+    results = log_dir / "results.json"
+    run = RunOutcome(returncode=head_code, output=head_out, log_dir=log_dir,
+                     results=json.loads(results.read_text()) if results.exists() else None)
+    assert_run_passed(run, modes=["p2p"] * 2)
+    assert worker_code == 0, worker_out[-3000:]
+    assert "the job ended on the head (finished)" in worker_out
+    urls = run.meta["placement"]["engine_urls"]
+    assert [u.rsplit(":", 1)[0] for u in urls] == [f"http://{WORKER_IP}"] * 2, urls
+    line = next((ln for ln in head_out.splitlines() if ln.startswith("replaced engine 1")), "")
+    assert line.startswith(f"replaced engine 1 before step 1's update: engine 1 ({urls[1]}, node 1) exited "
+                           "(killed by SIGKILL)"), head_out[-3000:]
+    assert line.endswith(f"joined from {urls[0]}"), line
+    [r] = run.results["summary"]["engine_replacements"]
+    assert (r["engine"], r["step"], r["version"], r["peer"]) == (1, 1, "0", urls[0]), r
+    assert [len(s.get("replacements", [])) for s in run.steps] == [0, 1], run.steps
+    assert run.meta["placement"]["engine_nodes"] == [1, 1]
+    assert all(x.startswith(f"{WORKER_IP}:") for x in run.meta["placement"]["engine_sessions"])
+    # on the second host (only there can it bind WORKER_IP), its log next to its predecessor's
+    assert (log_dir / "engine1.log").stat().st_size > 0
+    replacement = (log_dir / "engine1-replacement1.log").read_text()
+    assert f"joining from {urls[0]}" in replacement, replacement[-3000:]
+    assert f"running on {urls[1]}" in replacement, replacement[-3000:]
+    left = hosts.wait_empty()
+    assert not left, f"still running after the job ended: {left}"
+    print(f"engine replaced on the worker: both nodes done in {time.monotonic() - t0:.1f} s")
