@@ -270,7 +270,7 @@ def test_a_killed_engine_on_the_worker_is_replaced_there(hosts: Hosts, prepared:
     # engine 1 (of two on the worker: its replacement joins from the other) SIGKILLed as step 1 trains
     env = _env(prepared, log_dir, short_tmp, WEIGHTSYNC_FAULT_HOOK="tests.fault_hooks:kill_engine:1:1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    argv = [PYTHON, str(RUN_PY), "run", MODEL, "--head-ip", HEAD_IP, "--mode", "p2p", "--train", "tp=2,ep=2,world=2",
+    argv = [PYTHON, str(RUN_PY), "run", MODEL, "--head-ip", HEAD_IP, "--mode", "p2p", "--train", "tp=1,ep=1,world=1",
             "--rollout", "tp=1,ep=1,engines=2", "--num-rollout", "1", "--replace-dead-engines"]
     t0 = time.monotonic()
     head = _start(hosts, 0, [*argv, "--node-rank", "0"], env, tmp_path / "head.out")
