@@ -8,7 +8,12 @@ magnitude ~5-40; the bounds below leave a margin of about 10x.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +79,18 @@ def start_sessions(driver: Any, **kwargs: Any) -> UpdateSessions:
     sessions = UpdateSessions(sched, transfer_infos=driver.run(Op.TRANSFER_INFO), **kwargs)
     sched.start()
     return sessions
+
+
+@contextmanager
+def serve_process(args: list[str], port: int, log: Path, log_level: str = "warning") -> Iterator[subprocess.Popen]:
+    """``weightsync serve ARGS --port PORT`` in a session of its own, its output in ``log``; the
+    whole process group is SIGKILLed when the block ends (a test's engine leaves nothing)."""
+    cmd = [sys.executable, "-m", "weightsync.cli", "serve", *args, "--port", str(port), "--log-level", log_level]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

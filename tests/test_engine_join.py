@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import httpx
 import pytest
 import torch
 
+from tests.engine_helpers import serve_process
 from weightsync.engine.checker import WeightChecker
 from weightsync.engine.loader import load_dummy
 from weightsync.layout.sglang import engine_layout
@@ -46,18 +47,9 @@ SEED = 7
 FP_SEED = 12345
 
 
-@contextmanager
-def _serve(args: list[str], port: int, log: Path) -> Iterator[subprocess.Popen]:
-    cmd = [sys.executable, "-m", "weightsync.cli", "serve", MODEL, "--scale", "tiny", "--load-format", "dummy",
-           "--transport", "shm", *args, "--port", str(port), "--log-level", "info"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+def _serve(args: list[str], port: int, log: Path) -> AbstractContextManager[subprocess.Popen]:
+    return serve_process([MODEL, "--scale", "tiny", "--load-format", "dummy", "--transport", "shm", *args], port,
+                         log, log_level="info")
 
 
 def _url(port: int) -> str:

@@ -9,32 +9,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.engine_helpers import serve_process as _serve
 from tests.engine_helpers import write_tiny_checkpoint
 from weightsync.cli import build_parser
 
 STARTUP_BUDGET_S = 10.0
-
-
-@contextmanager
-def _serve(args: list[str], port: int, log: Path) -> Iterator[subprocess.Popen]:
-    cmd = [sys.executable, "-m", "weightsync.cli", "serve", *args, "--port", str(port), "--log-level", "warning"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _generate(port: int, timeout: float = 5.0) -> httpx.Response:
