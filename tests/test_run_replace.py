@@ -16,6 +16,7 @@ from weightsync.launch.replace import EngineReplacer, ReplaceError
 from weightsync.launch.trainer_worker import WorkerConfig
 from weightsync.models.fit import plan_nodes
 from weightsync.models.parallel import RolloutParallel, TrainParallel
+from weightsync.sync.engine_client import EngineError
 
 
 class _Client:
@@ -163,3 +164,52 @@ def test_an_engine_the_run_did_not_start_is_never_restarted(tmp_path: Path):
                                            r"this run did not start is never restarted\)"):
         EngineReplacer(p, timeout_s=1.0, say=lambda _: None).replace_dead(2, "4", "update")
     assert isinstance(p.engines[0], AttachedEngine)
+
+
+def test_a_call_that_fails_on_a_dead_engine_is_sent_once_to_its_replacement(tmp_path: Path):
+    dead = _Engine(1, _Client([(None, {})]), alive=False, why="engine 1 exited (killed by SIGKILL)")
+    joiner = _Engine(1, _Client([SERVING], peer="http://127.0.0.1:30000"))
+    p = _started(tmp_path, [_live(0), dead, _live(2)], [joiner])
+    rejoined: list[list[dict[str, Any]]] = []
+
+    def call(i: int) -> str:
+        if p.engines[i] is dead:
+            raise EngineError("http://127.0.0.1:30001/generate: engine unreachable (ReadError)")
+        return f"answer {i}"
+
+    outs, done = EngineReplacer(p, timeout_s=10.0, say=lambda _: None).call_each(2, "4", "generate", call,
+                                                                                   rejoined.append)
+    assert outs == ["answer 0", "answer 1", "answer 2"]
+    assert [(r["engine"], r["step"], r["before"], r["during"]) for r in done] == [(1, 2, "generate", True)]
+    assert rejoined == [done]
+
+
+def test_a_second_failure_on_the_replacement_stops_with_both_causes(tmp_path: Path):
+    dead = _Engine(1, _Client([(None, {})]), alive=False, why="engine 1 exited (killed by SIGKILL)")
+    joiner = _Engine(1, _Client([SERVING], peer="http://127.0.0.1:30000"))
+    p = _started(tmp_path, [_live(0), dead, _live(2)], [joiner])
+
+    def call(i: int) -> str:
+        if i == 1:
+            which = "first" if p.engines[1] is dead else "again"
+            raise EngineError(f"http://127.0.0.1:30001/generate: HTTP 500: {which}", 500)
+        return f"answer {i}"
+
+    with pytest.raises(ReplaceError) as err:
+        EngineReplacer(p, timeout_s=10.0, say=lambda _: None).call_each(2, "4", "generate", call, lambda _: None)
+    assert str(err.value) == ("engine 1 exited (killed by SIGKILL), failing step 2's generate "
+                              "(http://127.0.0.1:30001/generate: HTTP 500: first); sent again to its replacement, it "
+                              "failed too: http://127.0.0.1:30001/generate: HTTP 500: again")
+
+
+def test_a_call_that_fails_on_an_engine_that_serves_is_not_retried(tmp_path: Path):
+    p = _started(tmp_path, [_live(0), _live(1), _live(2)], [])
+
+    def call(i: int) -> str:
+        if i == 2:
+            raise EngineError("http://127.0.0.1:30002/generate: HTTP 400: bad body", 400)
+        return f"answer {i}"
+
+    with pytest.raises(EngineError, match="HTTP 400: bad body"):
+        EngineReplacer(p, timeout_s=10.0, say=lambda _: None).call_each(2, "4", "generate", call, lambda _: None)
+    assert p.replaced(2) == 0

@@ -221,7 +221,8 @@ def summary_text(s: dict[str, Any]) -> str:
         share = f", {p2p['bytes_per_update'] / bc['bytes_per_update']:.2f}x the bytes" if bc["bytes_per_update"] else ""
         lines.append(f"  p2p vs broadcast: {s['p2p_speedup']:.2f}x faster (mean update time){share}")
     for r in s.get("engine_replacements", ()):
-        lines.append(f"  engine {r['engine']} replaced before step {r['step']}'s {r['before']}: served version "
+        when = "during" if r.get("during") else "before"
+        lines.append(f"  engine {r['engine']} replaced {when} step {r['step']}'s {r['before']}: served version "
                      f"{r['version']} after {r['serve_s']:.1f} s, joined from {r['peer']}")
     return "\n".join(lines)
 

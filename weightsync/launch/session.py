@@ -25,6 +25,7 @@ i and engine rank i share GPU i; broadcast then hands full tensors over through
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,7 @@ class RunSession:
         self._exported = cfg.log_dir / "trainer_weights"
         self._replacer = (EngineReplacer(self.procs, timeout_s=cfg.deadlines.engine_start_s)
                           if cfg.replace_dead_engines else None)
+        self._during: list[dict[str, Any]] = []  # this step's engines replaced during its generate/validate
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -124,15 +126,15 @@ class RunSession:
             self._print_step(self.steps[-1])
             for step in range(1, self.cfg.num_steps + 1):
                 replaced = self.replace_dead(step, "generate")
-                samples = self.generate(step)
+                samples = self.generate(step)  # one that dies generating is replaced, its chunk resent
                 trained = self.train(samples)
                 replaced += self.replace_dead(step, "update")
                 record = self.update(step)
                 replaced += self.replace_dead(step, "validate")  # one that died in the update joins it
                 record["train"] = trained
-                if self._replacer is not None:
-                    record["replacements"] = replaced
                 record.update(self.validate(step))
+                if self._replacer is not None:
+                    record["replacements"], self._during = replaced + self._during, []
                 self.steps.append(record)
                 self._print_step(record)
             return self.finish()
@@ -332,6 +334,11 @@ class RunSession:
         if self._replacer is None:
             return []
         done = self._replacer.replace_dead(step, str(self.version), before)
+        self._rejoined(done)
+        return done
+
+    def _rejoined(self, done: list[dict[str, Any]]) -> None:
+        """After replacements: new generation clients, every trainer rank re-reads the engines."""
         if done:
             for r in done:
                 self._gen_clients[r["engine"]].close()
@@ -341,7 +348,14 @@ class RunSession:
             self.procs.command(Refresh())
             if Mode.P2P in self.cfg.modes:  # the replacements' sessions, for results.json
                 self._infos = self._transfer_infos()
-        return done
+
+    def _on_engines(self, step: int, what: str, call: Callable[[int], Any]) -> list[Any]:
+        """``call(i)`` on every engine at once (one that dies in it: :meth:`EngineReplacer.call_each`)."""
+        if self._replacer is None:
+            return [f.result() for f in [self.procs.submit(call, i) for i in range(len(self.procs.engines))]]
+        outs, done = self._replacer.call_each(step, str(self.version), what, call, self._rejoined)
+        self._during += done
+        return outs
 
     def generate(self, step: int) -> list[dict[str, Any]]:
         """Every engine generates for a batch of prompts, each prompt ``group_size`` times (the
@@ -360,8 +374,7 @@ class RunSession:
              "return_logprob": True, "return_prompt_token_ids": True}
             for chunk in chunks
         ]
-        futures = [self.procs.submit(c.generate, b) for c, b in zip(self._gen_clients, bodies, strict=True)]
-        outs = [f.result() for f in futures]
+        outs = self._on_engines(step, "generate", lambda i: self._gen_clients[i].generate(bodies[i]))
         samples: list[dict[str, Any]] = []
         for out, chunk in zip(outs, chunks, strict=True):
             for o, p in zip(out, chunk, strict=True):
@@ -430,6 +443,8 @@ class RunSession:
         elif not validation:
             validation["check_weight_update_equal"] = "skipped"
         checks = self.validate(0)
+        if self._during:  # engines replaced during step 0's validation
+            record["replacements"], self._during = self._during, []
         record["validation"] = {**validation, **checks.pop("validation")}
         record.update(checks)
         return record
@@ -484,14 +499,17 @@ class RunSession:
         read = self._reference(step)
         want: dict[bool, list[dict[str, str]]] = {}  # sglang hashes GPU and CPU parameters differently
         bad: list[str] = []
-        for e, eng in enumerate(self.procs.engines):
-            gpu = (eng.client.server_info().get("device") or self.cfg.device) != "cpu"
+
+        def check(e: int) -> tuple[bool, Any]:  # every rank's checksums, in sglang's answer shape
+            client = self.procs.engines[e].client
+            return (client.server_info().get("device") or self.cfg.device) != "cpu", client.weights_checker("checksum")
+
+        for e, (gpu, answer) in enumerate(self._on_engines(step, "validate", check)):
             if gpu not in want:
                 want[gpu] = [expected_checksums(self.spec, self.cfg.rollout, r, read, gpu=gpu)
                              for r in range(self.cfg.rollout.tp)]
-            answer = eng.client.weights_checker("checksum")  # every rank, in sglang's answer shape
             bad += [f"engine {e} {line}" for line in engine_checksum_mismatches(answer, want[gpu])]
-        lp = self._logprob_parity(read)
+        lp = self._logprob_parity(step, read)
         tol = LOGPROB_TOL.get(self.spec.dtype, 2e-2)
         out = {
             "checksums": "pass" if not bad else "fail: " + "; ".join(bad)[:500],
@@ -501,12 +519,12 @@ class RunSession:
         }
         return {"validation": out, "logprob_max_abs_diff": lp}
 
-    def _logprob_parity(self, read: Any) -> float:
+    def _logprob_parity(self, step: int, read: Any) -> float:
         from weightsync.engine.reference import reference_prompt_logprobs
 
         body = {"text": list(PARITY_PROMPTS), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_logprob": True, "logprob_start_len": 0}
-        outs = [f.result() for f in [self.procs.submit(c.generate, body) for c in self._gen_clients]]
+        outs = self._on_engines(step, "validate", lambda i: self._gen_clients[i].generate(body))
         held = as_engine_holds(self.spec, read, self.cfg.rollout)
         want = [reference_prompt_logprobs(self.spec, held, self.hf_dir, prompt) for prompt in PARITY_PROMPTS]
         worst = 0.0
