@@ -21,6 +21,7 @@ And one of an engine: ``kill_engine:STEP:ENGINE[:update]`` -- as trainer step ``
 runs, between the step's generation and its update (with ``update``: as update ``STEP`` begins,
 before any engine is called), trainer rank 0 SIGKILLs every process of engine ``ENGINE`` (its
 ``weightsync serve`` process group, found by its address) and waits until its rank 0 is gone.
+An in-process test kills an engine itself with :func:`kill_serve`.
 """
 
 from __future__ import annotations
@@ -138,15 +139,21 @@ def kill_engine(worker: Any, arg: str) -> None:
     def wrapped(msg: Any) -> Any:
         calls[0] += 1
         if (msg.version if method == "update" else calls[0]) == int(step):  # update 0 is the run's first
-            host, port = worker.updater.engines.urls[int(engine)].split("//", 1)[1].rsplit(":", 1)
-            pid = serve_pid(port, host)
-            os.killpg(pid, signal.SIGKILL)
-            end = time.monotonic() + 30
-            while _running(pid) and time.monotonic() < end:
-                time.sleep(0.05)
+            kill_serve(worker.updater.engines.urls[int(engine)])
         return real(msg)
 
     setattr(worker, method, wrapped)
+
+
+def kill_serve(url: str) -> None:
+    """SIGKILL the ``weightsync serve`` process group of the engine at ``url`` and wait until its
+    rank 0 is gone (30 s at most)."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    pid = serve_pid(port, host)
+    os.killpg(pid, signal.SIGKILL)
+    end = time.monotonic() + 30
+    while _running(pid) and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def serve_pid(port: str, host: str = "") -> int:

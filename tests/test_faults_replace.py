@@ -5,17 +5,22 @@ option the launcher starts it again on its port, it joins the current version fr
 trainer's updater picks it up, and the run completes every step, its own per-step checks passing
 on both engines -- the replacement's checksums and logprobs included; ``results.json`` names the
 replacement. Killed as the update begins, the update drops it and engine 0 publishes alone; the
-replacement joins that version before the step is validated. Without the option the same kill
-stops the run, naming the dead engine first.
+replacement joins that version before the step is validated. Killed as step 2's generation is
+sent to it (a run in this process), its replacement joins version 1 and generates engine 1's
+chunk again: the step's samples are complete. Without the option the same kill stops the run,
+naming the dead engine first.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.e2e_helpers import e2e_ckpt_fixture, run_cli  # noqa: F401 -- the e2e_ckpt fixture
+from tests.e2e_helpers import e2e_ckpt_fixture, run_cli, run_in_process  # noqa: F401 -- the e2e_ckpt fixture
+from tests.fault_hooks import kill_serve
+from weightsync.launch.session import RunSession
 
 RUN = ["run", "Qwen3-4B", "--train", "tp=1,cp=1,world=1", "--rollout", "tp=1,engines=2", "--num-rollout", "3"]
 KILL = "tests.fault_hooks:kill_engine:2:1"
@@ -27,6 +32,18 @@ CASES = [
     pytest.param("p2p", ":update", "validate", "2", id="p2p-in-update"),
 ]
 """(mode, when the kill comes, what the replacement comes before, the version it joins)."""
+
+
+def _every_step_passed(run: Any) -> list[dict[str, Any]]:
+    """The run's steps 0-3, step 2 with one replacement, each step's own checks passed on both engines."""
+    steps = run.steps
+    assert [s["step"] for s in steps] == [0, 1, 2, 3], steps
+    assert [len(s.get("replacements", [])) for s in steps] == [0, 0, 1, 0], steps
+    for s in steps:
+        assert s["validation"]["checksums"] == "pass", s
+        assert s["validation"]["logprob_parity"] == "pass", s
+    assert run.results["summary"]["validation_passed"], run.results["summary"]
+    return steps
 
 
 @pytest.mark.timeout(300)
@@ -46,20 +63,46 @@ def test_a_killed_engine_is_replaced_and_the_run_completes(mode: str, when: str,
     [r] = run.results["summary"]["engine_replacements"]
     assert (r["engine"], r["step"], r["before"], r["version"], r["peer"]) == (1, 2, before, joins, urls[0]), r
     assert 0 < r["serve_s"] < 120, r
-    steps = run.steps
-    assert [s["step"] for s in steps] == [0, 1, 2, 3], steps
-    assert [len(s.get("replacements", [])) for s in steps] == [0, 0, 1, 0], steps
-    # every step's own checks passed on both engines: the replacement holds versions 2 and 3 bit for bit
-    for s in steps:
-        assert s["validation"]["checksums"] == "pass", s
-        assert s["validation"]["logprob_parity"] == "pass", s
-    assert run.results["summary"]["validation_passed"], run.results["summary"]
+    steps = _every_step_passed(run)  # the replacement holds versions 2 and 3 bit for bit
     # killed in update 2, that update dropped it; no other update dropped an engine
     assert [list(s.get("dropped", {})) for s in steps] == [[], [], ["1"] if when else [], []], steps
     # every update but a dropping one wrote engine 1 as any engine (p2p: its rollout rank received bytes)
     if mode == "p2p":
         assert all(s["bytes_per_receiver"].get("1", 0) > 0 for s in steps if not s.get("dropped")), steps
     assert "exited" not in (tmp_path / "engine1-replacement1.log").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_killed_while_the_step_generates_is_replaced_and_its_chunk_resent(
+        e2e_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    real = RunSession._on_engines
+    calls: list[tuple[int, str]] = []
+
+    def on_engines(self: RunSession, step: int, what: str, call: Any) -> list[Any]:
+        def killing(i: int) -> Any:
+            calls.append((step, what))
+            if (step, what, i) == (2, "generate", 1) and calls.count((2, "generate")) <= 2:  # not the resend
+                kill_serve(self.procs.engines[1].url)
+            return call(i)
+
+        return real(self, step, what, killing)
+
+    monkeypatch.setattr(RunSession, "_on_engines", on_engines)
+    run = run_in_process([*RUN[1:], "--mode", "p2p", "--replace-dead-engines"], ckpt_dir=e2e_ckpt, log_dir=tmp_path)
+    assert run.returncode == 0, run.describe()
+    urls = run.meta["placement"]["engine_urls"]
+    line = next((ln for ln in run.output.splitlines() if ln.startswith("replaced engine 1")), "")
+    assert line.startswith("replaced engine 1 during step 2's generate: engine 1 (http://127.0.0.1:"), run.describe()
+    assert "exited (killed by SIGKILL)" in line, line
+    assert "its replacement serves version 1 " in line, line
+    assert line.endswith(f"after its start, joined from {urls[0]}"), line
+    [r] = run.results["summary"]["engine_replacements"]
+    assert (r["engine"], r["step"], r["before"], r["during"], r["version"], r["peer"]) == \
+        (1, 2, "generate", True, "1", urls[0]), r
+    assert calls.count((2, "generate")) == 3, calls  # both engines, then engine 1's chunk once more
+    steps = _every_step_passed(run)
+    assert not any(s.get("dropped") for s in steps), steps
+    assert all(s["bytes_per_receiver"].get("1", 0) > 0 for s in steps), steps  # update 2 wrote the replacement
 
 
 @pytest.mark.timeout(300)
